@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random checkpoints (Llama, Mistral, Qwen2) built with transformers."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+VOCAB = 512
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    import transformers
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                                        "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64,
+                                                        "rope_theta": 50000.0}, **overrides)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False,
+                                         **overrides)
+        model = transformers.MistralForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, **overrides)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_tiny_model(str(root / arch), arch) for arch in ("llama", "mistral", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models):
+    return tiny_models["llama"]
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (L,), generator=g).tolist() for L in lens]
+
+
+def hf_greedy(model_dir: str, prompts, max_new_tokens: int):
+    """Reference: transformers generate, float32, one prompt at a time (no padding)."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                               min_new_tokens=max_new_tokens, pad_token_id=0)
+            outs.append(g[0, len(p):].tolist())
+    return outs

@@ -1,0 +1,107 @@
+"""Torch reference attention over the paged KV cache (the CPU path).
+
+The KV cache of one layer is a flat array of slots:
+
+    kv_cache[layer]   [num_slots, 2, num_kv_heads, head_dim]     slot = block * block_size + offset
+                                 ^ 0 = K, 1 = V (one row holds both, so one gather reads both)
+
+Attention never derives slots from positions: every request reads through its attention view,
+the live slots in logical order that the model runner built from the token table.
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+QUERY_TILE = 256   # prefill queries per tile when column sums are collected
+
+
+@dataclass
+class PrefillSpan:
+    q_start: int
+    q_end: int
+    kv_slots: torch.Tensor               # [Lk] attention view (includes this chunk's tokens)
+    mask: Optional[torch.Tensor]         # [q, Lk] bool (True = attend); None = plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor           # [T] where each new token's K/V is written
+    num_decodes: int                     # the first num_decodes tokens are single-token rows
+    decode_slots: torch.Tensor           # [B, Lmax] padded attention views (pad: slot 0)
+    decode_bias: torch.Tensor            # [B, 1, 1, Lmax] 0 for real keys, -inf for padding
+    prefills: List[PrefillSpan] = field(default_factory=list)
+    collect_stats: bool = False
+    decode_mass: Optional[torch.Tensor] = None       # [B, Lmax] float32, summed over layers+heads
+    prefill_colsum: List[torch.Tensor] = field(default_factory=list)  # per span, [Lk] float32
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    kv_cache[slot_mapping] = torch.stack((k, v), dim=1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] for this step's tokens -> [T, H, D]."""
+    write_kv(kv_cache, meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    b = meta.num_decodes
+    if b:
+        out[:b] = _decode(q[:b], kv_cache, meta, scale)
+    for i, span in enumerate(meta.prefills):
+        colsum = meta.prefill_colsum[i] if meta.collect_stats else None
+        out[span.q_start:span.q_end] = _prefill(q[span.q_start:span.q_end], kv_cache, span,
+                                                scale, colsum)
+    return out
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    b, h, d = q.shape
+    kv = kv_cache[meta.decode_slots]                 # [B, L, 2, KVH, D]
+    kvh = kv.shape[3]
+    k = kv[:, :, 0].permute(0, 2, 3, 1)              # [B, KVH, D, L]
+    v = kv[:, :, 1].transpose(1, 2)                  # [B, KVH, L, D]
+    qg = q.view(b, kvh, h // kvh, d)                 # query heads grouped by their KV head
+    scores = torch.matmul(qg, k) * scale + meta.decode_bias
+    probs = torch.softmax(scores, dim=-1)            # [B, KVH, G, L]
+    if meta.collect_stats:
+        meta.decode_mass += probs.sum(dim=(1, 2), dtype=torch.float32)
+    return torch.matmul(probs, v).reshape(b, h, d)
+
+
+def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float,
+             colsum: Optional[torch.Tensor]) -> torch.Tensor:
+    kv = kv_cache[span.kv_slots]                     # [Lk, 2, KVH, D]
+    k = kv[:, 0].transpose(0, 1)                     # [KVH, Lk, D]
+    v = kv[:, 1].transpose(0, 1)
+    qh = q.transpose(0, 1)                           # [H, q, D]
+    if colsum is None:
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=span.mask,
+                                             is_causal=span.mask is None, scale=scale,
+                                             enable_gqa=True)
+        return out.transpose(0, 1)
+    return _prefill_with_colsum(qh, k, v, span, scale, colsum).transpose(0, 1)
+
+
+def _prefill_with_colsum(qh, k, v, span, scale, colsum):
+    """Tiled over queries: O(tile * Lk) memory per head, never the full Lq x Lk matrix."""
+    h, lq, d = qh.shape
+    kvh, lk, _ = k.shape
+    qg = qh.reshape(kvh, h // kvh, lq, d)
+    mask = span.mask
+    if mask is None:   # plain causal: query i sees keys 0..i + (Lk - Lq)
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+    out = torch.empty_like(qg)
+    kt = k.transpose(1, 2).unsqueeze(1)              # [KVH, 1, D, Lk]
+    vv = v.unsqueeze(1)                              # [KVH, 1, Lk, D]
+    for s in range(0, lq, QUERY_TILE):
+        e = min(s + QUERY_TILE, lq)
+        scores = torch.matmul(qg[:, :, s:e], kt) * scale
+        scores.masked_fill_(~mask[s:e], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        colsum += probs.sum(dim=(0, 1, 2), dtype=torch.float32)
+        out[:, :, s:e] = torch.matmul(probs, vv)
+    return out.reshape(h, lq, d)

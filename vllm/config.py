@@ -1,0 +1,119 @@
+"""Engine configuration: plain dataclasses validated in __post_init__.
+
+Every error message names the CLI flag a user would change.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-window",
+                     "random", "tova", "snapkv")
+RECLAMATION_MODES = ("vtoken", "none")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(cond: bool, flag: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{flag}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    model: str                      # local HF directory (safetensors or .bin) after resolution
+    tokenizer: str
+    dtype: str = "float32"
+    max_model_len: Optional[int] = None
+    seed: int = 0
+    enforce_eager: bool = False
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, "--dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.max_model_len is None or self.max_model_len > 0, "--max-model-len",
+               f"must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks_override: Optional[int] = None
+    kv_cache_memory: Optional[int] = None     # bytes; default: a fraction of free RAM
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self):
+        _check(self.block_size > 0, "--block-size", f"must be positive, got {self.block_size}")
+        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
+               "--num-gpu-blocks-override", f"must be positive, got {self.num_gpu_blocks_override}")
+        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "--kv-cache-memory",
+               f"must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        _check(self.max_num_seqs > 0, "--max-num-seqs", f"must be positive, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens > 0, "--max-num-batched-tokens",
+               f"must be positive, got {self.max_num_batched_tokens}")
+        _check(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+               "--max-num-batched-tokens",
+               f"({self.max_num_batched_tokens}) must be >= --max-model-len "
+               f"({self.max_model_len}) when chunked prefill is disabled")
+
+
+@dataclass
+class KVEvictionConfig:
+    """Token-level eviction (the policy) and physical reclamation (vToken)."""
+    policy: str = "none"
+    eviction_ratio: float = 0.5             # fraction evicted; budget = floor((1 - r) * n)
+    budget_tokens: Optional[int] = None     # fixed budget instead of the ratio
+    sink_tokens: Optional[int] = None       # None: policy default (4 for streamingllm, else 0)
+    recent_fraction: float = 0.5            # H2O: share of the budget kept as the recent window
+    scissorhands_window: int = 400          # w: history of low-attention steps
+    scissorhands_recent: int = 10           # r: most recent tokens always kept
+    scissorhands_drop: Optional[int] = None  # m: tokens dropped at once (default budget // 2)
+    snapkv_window: int = 32                 # last prompt queries that vote
+    snapkv_kernel: int = 7                  # max-pool kernel over the votes
+    seed: int = 0
+    reclamation: str = "vtoken"
+    frag_threshold: float = 0.25            # dead share of private slots that makes a request eligible
+    reclaim_headroom_blocks: int = 1
+    check_invariants: bool = False
+
+    def __post_init__(self):
+        _check(self.policy in EVICTION_POLICIES, "--kv-eviction-policy",
+               f"must be one of {EVICTION_POLICIES}, got {self.policy!r}")
+        _check(0.0 <= self.eviction_ratio < 1.0, "--kv-eviction-ratio",
+               f"must be in [0, 1), got {self.eviction_ratio}")
+        _check(self.budget_tokens is None or self.budget_tokens >= 1, "--kv-budget-tokens",
+               f"must be >= 1, got {self.budget_tokens}")
+        _check(self.sink_tokens is None or self.sink_tokens >= 0, "--kv-sink-tokens",
+               f"must be >= 0, got {self.sink_tokens}")
+        _check(0.0 <= self.recent_fraction <= 1.0, "--kv-recent-fraction",
+               f"must be in [0, 1], got {self.recent_fraction}")
+        _check(self.reclamation in RECLAMATION_MODES, "--kv-reclamation",
+               f"must be one of {RECLAMATION_MODES}, got {self.reclamation!r}")
+        _check(0.0 <= self.frag_threshold <= 1.0, "--kv-frag-threshold",
+               f"must be in [0, 1], got {self.frag_threshold}")
+        _check(self.reclaim_headroom_blocks >= 0, "--kv-reclaim-headroom-blocks",
+               f"must be >= 0, got {self.reclaim_headroom_blocks}")
+        _check(self.scissorhands_window >= 1 and self.scissorhands_recent >= 0,
+               "--kv-eviction-policy scissorhands", "window must be >= 1 and recent >= 0")
+        _check(self.snapkv_window >= 1 and self.snapkv_kernel >= 1 and self.snapkv_kernel % 2 == 1,
+               "--kv-eviction-policy snapkv", "window must be >= 1 and kernel a positive odd number")
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "none"
+
+    @property
+    def sinks(self) -> int:
+        if self.sink_tokens is not None:
+            return self.sink_tokens
+        return 4 if self.policy == "streamingllm" else 0
+
+    @property
+    def reclaims(self) -> bool:
+        return self.enabled and self.reclamation == "vtoken"

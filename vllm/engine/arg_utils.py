@@ -1,0 +1,82 @@
+"""EngineArgs: the engine's options, with upstream vLLM's CLI flag names."""
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from vllm.config import EVICTION_POLICIES, RECLAMATION_MODES, KVEvictionConfig
+
+_KV_FIELDS = {  # EngineArgs field -> KVEvictionConfig field
+    "kv_eviction_policy": "policy", "kv_eviction_ratio": "eviction_ratio",
+    "kv_budget_tokens": "budget_tokens", "kv_sink_tokens": "sink_tokens",
+    "kv_recent_fraction": "recent_fraction", "kv_reclamation": "reclamation",
+    "kv_frag_threshold": "frag_threshold", "kv_reclaim_headroom_blocks": "reclaim_headroom_blocks",
+    "kv_check_invariants": "check_invariants", "seed": "seed",
+}
+
+
+@dataclass
+class EngineArgs:
+    model: Optional[str] = None            # local HF dir or .gguf; None = SmolLM2-135M-Instruct
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"                    # auto = float32 on CPU
+    block_size: int = 16
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    num_gpu_blocks_override: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    enforce_eager: bool = False
+    kv_eviction_policy: str = "none"
+    kv_eviction_ratio: float = 0.5
+    kv_budget_tokens: Optional[int] = None
+    kv_sink_tokens: Optional[int] = None
+    kv_recent_fraction: float = 0.5
+    kv_reclamation: str = "vtoken"
+    kv_frag_threshold: float = 0.25
+    kv_reclaim_headroom_blocks: int = 1
+    kv_check_invariants: bool = False
+
+    def eviction_config(self) -> KVEvictionConfig:
+        return KVEvictionConfig(**{dst: getattr(self, src) for src, dst in _KV_FIELDS.items()})
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False):
+        add = parser.add_argument
+        if not model_positional:
+            add("--model", type=str, default=None,
+                help="local HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+        add("--tokenizer", type=str, default=None)
+        add("--dtype", type=str, default="auto",
+            choices=["auto", "float32", "bfloat16", "float16"])
+        add("--block-size", type=int, default=16)
+        add("--max-model-len", type=int, default=None)
+        add("--max-num-seqs", type=int, default=256)
+        add("--max-num-batched-tokens", type=int, default=None)
+        add("--num-gpu-blocks-override", type=int, default=None,
+            help="fixed KV block budget")
+        add("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+        add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        add("--seed", type=int, default=0)
+        add("--enforce-eager", action="store_true")
+        add("--kv-eviction-policy", type=str, default="none", choices=list(EVICTION_POLICIES))
+        add("--kv-eviction-ratio", type=float, default=0.5,
+            help="fraction of tokens evicted (budget = floor((1 - r) * length))")
+        add("--kv-budget-tokens", type=int, default=None, help="fixed per-request token budget")
+        add("--kv-sink-tokens", type=int, default=None)
+        add("--kv-recent-fraction", type=float, default=0.5)
+        add("--kv-reclamation", type=str, default="vtoken", choices=list(RECLAMATION_MODES),
+            help="vtoken: repack partially live blocks; none: Naive-Evict")
+        add("--kv-frag-threshold", type=float, default=0.25)
+        add("--kv-reclaim-headroom-blocks", type=int, default=1)
+        add("--kv-check-invariants", action="store_true")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})

@@ -1,0 +1,75 @@
+"""LLM: the offline API, as upstream: LLM(model=...).generate(prompts, SamplingParams(...))."""
+import itertools
+from typing import Dict, List, Optional, Sequence as Seq, Union
+
+from tqdm import tqdm
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, **kwargs):
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Seq[PromptType]],
+                 sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> List[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(str(next(self._ids)))
+                self.llm_engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Union[List[Dict], List[List[Dict]]],
+             sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True) -> List[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: List[Dict], chat_template: Optional[str] = None,
+                            add_generation_prompt: bool = True) -> Dict:
+        tok = self.get_tokenizer()
+        text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    def get_kv_stats(self) -> Dict[str, float]:
+        return self.llm_engine.get_kv_stats()
+
+    def _run(self, ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
+        engine = self.llm_engine
+        done: Dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(done) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,150 @@
+"""Llama family (Llama, Mistral, Qwen2): GQA, RoPE (incl. Llama-3 scaling), RMSNorm, SiLU MLP.
+
+Weights are kept pre-transposed ([in, out], contiguous) because `x @ Wt` is up to 2x faster than
+`F.linear(x, W)` for decode-shaped GEMMs on CPU. Q/K/V and gate/up are fused into one GEMM each.
+"""
+import math
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from vllm.attention.backend import AttentionMetadata, paged_attention
+
+
+class Linear(nn.Module):
+    def __init__(self, wt: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.wt = nn.Parameter(wt.contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.wt
+        return torch.addmm(self.bias, x, self.wt)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(var + eps) * weight
+
+
+def rope_parameters(config) -> Tuple[float, dict]:
+    """(theta, scaling) from a transformers 4.x or 5.x config."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        theta = 10000.0
+    params.update(scaling)
+    kind = params.get("rope_type", params.get("type", "default"))
+    return float(theta), {**params, "rope_type": kind}
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    # float32 throughout, as transformers computes it, so greedy outputs match it bit for bit
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = scaling["rope_type"]
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    raise ValueError(f"--model: rope scaling type {kind!r} is not supported")
+
+
+class Rotary:
+    """cos/sin tables indexed by logical position (positions never change under eviction)."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict, dtype):
+        inv = inv_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, w: Dict[str, torch.Tensor], p: str):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        qkv_w = torch.cat([w[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"]).t()
+        qkv_b = None
+        if f"{p}.self_attn.q_proj.bias" in w:
+            qkv_b = torch.cat([w[f"{p}.self_attn.{n}_proj.bias"] for n in "qkv"])
+        self.qkv = Linear(qkv_w, qkv_b)
+        self.o = Linear(w[f"{p}.self_attn.o_proj.weight"].t(), w.get(f"{p}.self_attn.o_proj.bias"))
+        gate_up = torch.cat([w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"]]).t()
+        self.gate_up = Linear(gate_up)
+        self.down = Linear(w[f"{p}.mlp.down_proj.weight"].t())
+        self.ln1 = nn.Parameter(w[f"{p}.input_layernorm.weight"], requires_grad=False)
+        self.ln2 = nn.Parameter(w[f"{p}.post_attention_layernorm.weight"], requires_grad=False)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, rotary, kv_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        h = rms_norm(x, self.ln1, self.eps)
+        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        x = x + self.o(attn.reshape(t, self.q_size))
+        h = rms_norm(x, self.ln2, self.eps)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM and Qwen2ForCausalLM (Qwen2 adds q/k/v biases)."""
+
+    def __init__(self, cfg, weights: Dict[str, torch.Tensor], dtype: torch.dtype, max_pos: int):
+        super().__init__()
+        if getattr(cfg, "head_dim", None) is None:
+            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.config = cfg
+        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
+        head = w.get("lm_head.weight")
+        if head is None or getattr(cfg, "tie_word_embeddings", False):
+            head = w["model.embed_tokens.weight"]
+        self.lm_head_t = nn.Parameter(head.t().contiguous(), requires_grad=False)
+        theta, scaling = rope_parameters(cfg)
+        self.rotary = Rotary(cfg.head_dim, max_pos, theta, scaling, dtype)
+        self.eps = cfg.rms_norm_eps
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed[input_ids]
+        cos = self.rotary.cos[positions].unsqueeze(1)
+        sin = self.rotary.sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, self.rotary, kv_caches[i], meta)
+        return rms_norm(x, self.norm, self.eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.lm_head_t).float()

@@ -1,0 +1,88 @@
+"""A sequence: one sample of one request, the unit the scheduler and block manager see."""
+import enum
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from vllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+class Sequence:
+    def __init__(self, seq_id: str, request_id: str, index: int, prompt: Optional[str],
+                 prompt_token_ids: List[int], params: SamplingParams,
+                 eos_token_id: Optional[int], arrival_time: Optional[float] = None):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index                      # sample index within the request (n > 1)
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: List[int] = []
+        self.num_cached_blocks = 0              # leading blocks registered in the prefix cache
+        self.num_shared_blocks = 0              # leading blocks that came from prefix-cache hits
+        self.blocks_in_order = True             # block j holds tokens [j*bs, (j+1)*bs)
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Any = None
+        self.output_text = ""
+        self.output_logprobs: List[Dict] = []
+        self.prompt_logprobs: Optional[List[Optional[Dict]]] = None
+        self.num_preemptions = 0
+        self.first_token_time: Optional[float] = None
+        self.generator: Optional[torch.Generator] = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+        self.policy = None                      # per-request eviction policy state
+        self.kv_stats: Dict[str, float] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> List[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop all KV; prompt + generated tokens are prefilled again."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.num_cached_blocks = 0
+        self.num_shared_blocks = 0
+        self.blocks_in_order = True
+        self.num_preemptions += 1
+        self.policy = None

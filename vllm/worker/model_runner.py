@@ -1,0 +1,111 @@
+"""ModelRunner: the one place that turns a scheduler step into model inputs.
+
+Write slots and attention views both come from the token table, never from positions:
+
+    positions     logical ids of this step's tokens (RoPE; they never change)
+    slot_mapping  token_table slots of this step's tokens (where their K/V is written)
+    views         token_table live slots, in logical order (what attention reads)
+"""
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from vllm.attention.backend import AttentionMetadata, PrefillSpan
+from vllm.core.token_table import TokenTable
+from vllm.sequence import Sequence
+
+
+@dataclass
+class StepRow:
+    seq: Sequence
+    num_new: int
+    start: int                 # first index of this sequence's tokens in the flat batch
+    view_ids: np.ndarray       # logical ids of its attention view (aligned with the statistics)
+    stats_row: int             # row in decode_mass (decodes) or index into prefill_colsum
+    is_decode: bool
+
+    @property
+    def completes(self) -> bool:
+        """After this step every known token is computed, so the next token gets sampled."""
+        return self.seq.num_computed_tokens + self.num_new == self.seq.num_tokens
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    rows: List[StepRow]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, token_table: TokenTable):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.token_table = token_table
+
+    def prepare_inputs(self, scheduled: List[Tuple[Sequence, int]],
+                       collect_stats: bool = False) -> ModelInput:
+        tt = self.token_table
+        # Single-token rows first: they share one padded, batched attention call.
+        decodes = [(s, n) for s, n in scheduled if n == 1]
+        prefills = [(s, n) for s, n in scheduled if n > 1]
+        ids, pos, slots, rows, views = [], [], [], [], []
+        prefill_spans: List[PrefillSpan] = []
+        start = 0
+        for i, (seq, n) in enumerate(decodes + prefills):
+            c = seq.num_computed_tokens
+            ids.append(seq.token_ids[c:c + n])
+            pos.append(np.arange(c, c + n))
+            slots.append(tt.slots(seq.seq_id, c, c + n))
+            view_ids = tt.live_ids(seq.seq_id)
+            view_slots = tt.live_slots(seq.seq_id)
+            is_decode = i < len(decodes)
+            if is_decode:
+                views.append(view_slots)
+            else:
+                prefill_spans.append(self._prefill_span(start, n, c, view_ids, view_slots))
+            stats_row = i if is_decode else len(prefill_spans) - 1
+            rows.append(StepRow(seq, n, start, view_ids, stats_row, is_decode))
+            start += n
+        decode_slots, decode_bias = self._pad_views(views)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots).astype(np.int64)),
+            num_decodes=len(decodes), decode_slots=decode_slots, decode_bias=decode_bias,
+            prefills=prefill_spans, collect_stats=collect_stats)
+        if collect_stats:
+            meta.decode_mass = torch.zeros(decode_slots.shape, dtype=torch.float32)
+            meta.prefill_colsum = [torch.zeros(len(p.kv_slots)) for p in prefill_spans]
+        return ModelInput(
+            input_ids=torch.from_numpy(np.fromiter((t for r in ids for t in r), np.int64, start)),
+            positions=torch.from_numpy(np.concatenate(pos).astype(np.int64)),
+            meta=meta, rows=rows)
+
+    @staticmethod
+    def _prefill_span(start: int, n: int, computed: int, view_ids: np.ndarray,
+                      view_slots: np.ndarray) -> PrefillSpan:
+        mask = None
+        if computed > 0 or len(view_ids) != computed + n:
+            # query at logical id p sees live keys with id <= p
+            q_ids = np.arange(computed, computed + n)
+            mask = torch.from_numpy(view_ids[None, :] <= q_ids[:, None])
+        return PrefillSpan(start, start + n, torch.from_numpy(view_slots.astype(np.int64)), mask)
+
+    @staticmethod
+    def _pad_views(views: List[np.ndarray]) -> Tuple[torch.Tensor, torch.Tensor]:
+        # views [[5, 9], [7]] -> slots [[5, 9], [7, 0]], bias [[0, 0], [0, -inf]]
+        lens = np.array([len(v) for v in views], dtype=np.int64)
+        width = int(lens.max()) if len(views) else 0
+        padded = np.zeros((len(views), width), dtype=np.int64)
+        valid = np.arange(width)[None, :] < lens[:, None]
+        if len(views):
+            padded[valid] = np.concatenate(views)
+        bias = torch.zeros(len(views), 1, 1, width)
+        bias.masked_fill_(torch.from_numpy(~valid)[:, None, None, :], float("-inf"))
+        return torch.from_numpy(padded), bias
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> torch.Tensor:
+        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
