@@ -51,6 +51,9 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
         self.policy = None                      # per-request eviction policy state
+        self.prefill_end = 0                    # tokens prefilled since the last admission
+        self.prefill_colsum = None              # prompt attention column sums, by logical id
+        self.eviction_log: List = []            # evicted id arrays, in order
         self.kv_stats: Dict[str, float] = {}
 
     @property
@@ -86,3 +89,4 @@ class Sequence:
         self.blocks_in_order = True
         self.num_preemptions += 1
         self.policy = None
+        self.prefill_colsum = None

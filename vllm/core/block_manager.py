@@ -22,6 +22,7 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.token_table = TokenTable(block_size)
         self.peak_used = 0
+        self.before_free: List = []     # hooks run before a sequence's blocks are released
 
     @property
     def num_blocks(self) -> int:
@@ -96,6 +97,8 @@ class BlockManager:
 
     # ---- release ----------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
+        for hook in self.before_free:
+            hook(seq)
         # Reverse order: a prefix's tail blocks leave the cache before its head blocks.
         self.pool.release(list(reversed(seq.block_ids)))
         seq.block_ids = []

@@ -23,7 +23,7 @@ class _Entry:
         self.num_live = 0
         self.tail_block = -1     # block receiving new tokens
         self.tail_fill = 0       # slots of tail_block handed out
-        self.version = 0         # bumped on every structural change (eviction, move)
+        self.version = 0         # new value on every structural change (unique across entries)
 
     def grow(self, needed: int) -> None:
         if needed <= len(self.slot):
@@ -39,11 +39,17 @@ class TokenTable:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self._entries: Dict[str, _Entry] = {}
+        self._clock = 0          # source of versions: a re-added request never reuses one
+
+    def _bump(self, e: _Entry) -> None:
+        self._clock += 1
+        e.version = self._clock
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add_request(self, req_id: str) -> None:
         assert req_id not in self._entries, f"token table for {req_id} already exists"
-        self._entries[req_id] = _Entry()
+        self._entries[req_id] = e = _Entry()
+        self._bump(e)
 
     def free_request(self, req_id: str) -> None:
         self._entries.pop(req_id, None)
@@ -101,16 +107,19 @@ class TokenTable:
         assert e.live[token_ids].all(), f"{req_id}: evicting a token that is already dead"
         e.live[token_ids] = False
         e.num_live -= len(np.unique(token_ids))
-        e.version += 1
+        self._bump(e)
 
     def apply_moves(self, req_id: str, moves: np.ndarray) -> None:
-        """moves: int64 [M, 2] rows of (token_id, new_slot); repoints all of them at once."""
+        """moves: int64 [M, 2] rows of (token_id, new_slot); repoints all of them at once.
+
+        A token evicted while its copy was in flight moves too: its source slot must be vacated.
+        """
         e = self._entries[req_id]
         moves = np.asarray(moves, dtype=np.int64).reshape(-1, 2)
         ids, dst = moves[:, 0], moves[:, 1]
-        assert e.live[ids].all(), f"{req_id}: moving a dead token"
+        assert len(np.unique(ids)) == len(ids), f"{req_id}: a token moved twice in one plan"
         e.slot[ids] = dst
-        e.version += 1
+        self._bump(e)
 
     # ---- views ------------------------------------------------------------------------------
     def length(self, req_id: str) -> int:
@@ -121,6 +130,9 @@ class TokenTable:
 
     def version(self, req_id: str) -> int:
         return self._entries[req_id].version
+
+    def tail_block(self, req_id: str) -> int:
+        return self._entries[req_id].tail_block
 
     def tail_free(self, req_id: str) -> int:
         """Unused slots left in the tail block (0 before the first block)."""
@@ -155,9 +167,10 @@ class TokenTable:
         return e.live[:e.length]
 
     def block_occupancy(self, req_id: str, block_ids: Iterable[int]) -> np.ndarray:
-        """Live tokens per block, aligned with block_ids."""
+        """Live tokens per block, aligned with block_ids (tokens in other blocks are ignored)."""
         block_ids = np.asarray(list(block_ids), dtype=np.int64)
         live_blocks = self.live_slots(req_id).astype(np.int64) // self.block_size
+        live_blocks = live_blocks[np.isin(live_blocks, block_ids)]
         # block_ids [9, 4, 7], live tokens in blocks [4, 4, 9] -> [1, 2, 0]
         order = np.argsort(block_ids)
         pos = np.searchsorted(block_ids[order], live_blocks)

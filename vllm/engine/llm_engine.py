@@ -9,6 +9,10 @@ from transformers import AutoConfig, AutoTokenizer
 
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from vllm.core.block_manager import BlockManager
+from vllm.core.kv_monitor import KVMonitor
+from vllm.core.eviction_driver import EvictionDriver
+from vllm.core.reclaim.admission import HeadroomAdmission
+from vllm.core.reclaim.backend import ReclamationBackend
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.stop_checker import StopChecker
@@ -19,6 +23,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceStatus
 from vllm.worker.model_runner import ModelRunner, StepRow
+from vllm.worker.relocation import RelocationExecutor
 
 PromptType = Union[str, Dict, List[int]]
 
@@ -63,12 +68,29 @@ class LLMEngine:
                                      cfg.num_key_value_heads, cfg.head_dim,
                                      dtype=DTYPES[self.model_config.dtype])
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        headroom = self.kv_config.reclaim_headroom_blocks if self.kv_config.reclaims else 0
+        headroom = HeadroomAdmission(self.kv_config).reserve()
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, headroom)
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager.token_table)
+        self.kv_monitor = KVMonitor(self.block_manager)
         self.sampler = Sampler()
         self.stop_checker = StopChecker(self.tokenizer, max_len)
         self.requests: Dict[str, RequestState] = {}
+        self.eviction = None
+        self.reclaimer = None
+        if self.kv_config.enabled:
+            self.eviction = EvictionDriver(self.kv_config, self.block_manager,
+                                           cfg.num_hidden_layers * cfg.num_attention_heads)
+        if self.kv_config.reclaims:
+            self.set_relocation_executor(RelocationExecutor(self.kv_caches))
+
+    def set_relocation_executor(self, executor) -> None:
+        """Install the copy executor (tests install one whose completion is delayed)."""
+        assert self.kv_config.reclaims and not self.requests, "set the executor before requests"
+        if self.reclaimer is not None:
+            self.block_manager.before_free.remove(self.reclaimer.before_free)
+        self.reclaimer = ReclamationBackend(self.kv_config, self.block_manager, executor,
+                                            self.kv_config.check_invariants)
+        self.eviction.busy_blocks = self.reclaimer.busy_blocks
 
     # ---- sizing -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -158,17 +180,29 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         changed = {s.request_id for s in sched.ended}
         if sched.scheduled:
-            inp = self.runner.prepare_inputs(sched.scheduled)
+            collect = self.eviction is not None and self.eviction.needs_stats
+            inp = self.runner.prepare_inputs(sched.scheduled, collect_stats=collect)
             hidden = self.runner.execute(inp)
             self._record_prompt_logprobs(inp.rows, hidden)
             sample_rows = [r for r in inp.rows if r.completes]
             for r in inp.rows:
                 r.seq.num_computed_tokens += r.num_new
                 self.block_manager.cache_full_blocks(r.seq)
+            self._manage_kv(inp.rows, inp.meta)
             if sample_rows:
                 self._sample(sample_rows, hidden)
             changed.update(r.seq.request_id for r in sample_rows)
         return self._collect_outputs(changed)
+
+    def _manage_kv(self, rows: List[StepRow], meta) -> None:
+        """Eviction, then reclamation, then per-request KV statistics (and invariant checks)."""
+        if self.eviction is not None:
+            self.eviction.after_step(rows, meta)
+        if self.reclaimer is not None:
+            self.reclaimer.step(self.scheduler.running)
+        self.kv_monitor.after_step(rows, self.scheduler.running)
+        if self.kv_config.check_invariants:
+            self.check_invariants()
 
     @torch.inference_mode()
     def _sample(self, rows: List[StepRow], hidden: torch.Tensor) -> None:
@@ -187,6 +221,7 @@ class LLMEngine:
                 seq.output_logprobs.append(lps)
             status = self.stop_checker.check(seq, stream=self.requests[seq.request_id].stream)
             if status is not None:
+                self.kv_monitor.on_finish(seq)
                 self.scheduler.finish(seq, status)
 
     @torch.inference_mode()
@@ -247,7 +282,24 @@ class LLMEngine:
                              first.prompt_logprobs, completions, finished,
                              dict(first.kv_stats), metrics)
 
-    # ---- accounting ---------------------------------------------------------------------------
+    # ---- KV statistics and invariants ---------------------------------------------------------------------------
+    def get_kv_stats(self) -> Dict[str, float]:
+        stats = self.kv_monitor.stats()
+        stats["translation_rebuilds"] = self.runner.translation.rebuilds
+        stats["evicted_tokens"] = self.eviction.evicted_tokens if self.eviction else 0
+        stats["preemptions"] = self.scheduler.num_preemptions
+        reclaim = self.reclaimer.stats() if self.reclaimer else {}
+        for key in ("relocation_events", "relocated_tokens", "bytes_moved", "blocks_reclaimed",
+                    "planner_time_s", "copy_time_s", "table_rewrite_time_s", "copy_launches"):
+            stats[key] = reclaim.get(key, 0)
+        return stats
+
+    def check_invariants(self) -> None:
+        """I2 for every running request, plus block accounting (I1 is checked per relocation)."""
+        for seq in self.scheduler.running:
+            self.block_manager.token_table.check_invariants(seq.seq_id, seq.block_ids)
+        self.check_accounting()
+
     def check_accounting(self) -> None:
         self.block_manager.check_accounting(self.scheduler.running)
         live = {s.seq_id for s in self.scheduler.running}

@@ -15,6 +15,7 @@ import torch
 from vllm.attention.backend import AttentionMetadata, PrefillSpan
 from vllm.core.token_table import TokenTable
 from vllm.sequence import Sequence
+from vllm.worker.translation_cache import TranslationCache
 
 
 @dataclass
@@ -45,10 +46,13 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.token_table = token_table
+        self.translation = TranslationCache(token_table)
 
     def prepare_inputs(self, scheduled: List[Tuple[Sequence, int]],
                        collect_stats: bool = False) -> ModelInput:
         tt = self.token_table
+        if len(self.translation) > len(scheduled):
+            self.translation.retain(s.seq_id for s, _ in scheduled)
         # Single-token rows first: they share one padded, batched attention call.
         decodes = [(s, n) for s, n in scheduled if n == 1]
         prefills = [(s, n) for s, n in scheduled if n > 1]
@@ -60,8 +64,7 @@ class ModelRunner:
             ids.append(seq.token_ids[c:c + n])
             pos.append(np.arange(c, c + n))
             slots.append(tt.slots(seq.seq_id, c, c + n))
-            view_ids = tt.live_ids(seq.seq_id)
-            view_slots = tt.live_slots(seq.seq_id)
+            view_ids, view_slots = self.translation.view(seq.seq_id)
             is_decode = i < len(decodes)
             if is_decode:
                 views.append(view_slots)

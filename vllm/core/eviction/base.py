@@ -1,0 +1,100 @@
+"""EvictionPolicy: the interface every token-level eviction policy implements, plus the budget.
+
+One instance per request. State lives in numpy arrays indexed by logical token id, grown on demand.
+The engine calls `on_prefill` once at the end of the prompt (chunked prefill included; a re-prefill
+after preemption gets a fresh instance) and `on_decode` once per generated token, then passes the
+returned ids to `token_table.evict_tokens` and never shows them to the policy again.
+
+Every policy protects the sinks (ids < `sinks`) and the newest live token, so the budget never drops
+below `minimum = sinks + recent_minimum` (see `token_budget`).
+"""
+import math
+from typing import Optional
+
+import numpy as np
+
+from vllm.config import KVEvictionConfig
+
+
+def token_budget(config: KVEvictionConfig, seq_len: int, minimum: int) -> int:
+    """Tokens a request of total length `seq_len` may keep: the fixed --kv-budget-tokens if given,
+    else floor((1 - r) * n) for --kv-eviction-ratio r (r = 0: n, nothing evicted); never below
+    `minimum`, since sinks and the policy's recent tokens cannot be evicted."""
+    if config.budget_tokens is not None:
+        target = config.budget_tokens
+    else:
+        # The epsilon absorbs binary rounding: (1 - 0.9) * 10 = 0.9999999999999998 -> 1, not 0.
+        target = math.floor((1.0 - config.eviction_ratio) * seq_len + 1e-6)
+    return max(minimum, target)
+
+
+def grown(array: np.ndarray, size: int) -> np.ndarray:
+    """`array` zero-extended along axis -1 to at least `size` (capacity doubles)."""
+    if array.shape[-1] >= size:
+        return array
+    out = np.zeros(array.shape[:-1] + (max(size, 2 * array.shape[-1]),), array.dtype)
+    out[..., :array.shape[-1]] = array
+    return out
+
+
+def no_eviction() -> np.ndarray:
+    return np.empty(0, np.int64)
+
+
+class EvictionPolicy:
+    needs_attention_stats: bool = True   # False: the engine passes None and computes nothing
+    # Finer, optional hints for the engine (an engine may ignore them and always pass both):
+    needs_prefill_stats: bool = True     # on_prefill reads colsum
+    needs_decode_stats: bool = True      # on_decode reads attn_mass
+
+    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int):
+        assert num_layer_heads >= 1, num_layer_heads
+        self.config = config
+        self.request_id = request_id
+        self.num_layer_heads = num_layer_heads
+        self.sinks = config.sinks
+        # Optional hint: colsum needs only the last q prompt queries (None: every prompt query).
+        self.prefill_query_window: Optional[int] = None
+
+    @property
+    def recent_minimum(self) -> int:
+        """Newest tokens this policy always keeps (at least the new token)."""
+        return 1
+
+    def budget(self, seq_len: int) -> int:
+        return token_budget(self.config, seq_len, self.sinks + self.recent_minimum)
+
+    def recent_window(self, budget: int) -> int:
+        """H2O-style split: --kv-recent-fraction of the non-sink budget, at least the new token."""
+        room = budget - self.sinks
+        return min(room, max(1, int(self.config.recent_fraction * room)))
+
+    def on_prefill(self, live_ids: np.ndarray, colsum: Optional[np.ndarray],
+                   seq_len: int) -> np.ndarray:
+        """Ids (int64, ascending, subset of live_ids) to evict after the prompt."""
+        raise NotImplementedError
+
+    def on_decode(self, live_ids: np.ndarray, attn_mass: Optional[np.ndarray],
+                  seq_len: int) -> np.ndarray:
+        """Ids to evict after this decode step; live_ids[-1] (the new token) is never among them."""
+        raise NotImplementedError
+
+    def evictable(self, live_ids: np.ndarray, recent: int) -> np.ndarray:
+        """Mask of live tokens that may go: not a sink, not among the `recent` newest."""
+        # sinks=2, recent=2: ids [0, 1, 5, 6, 7, 8] -> [F, F, T, T, F, F]
+        ok = live_ids >= self.sinks
+        ok[max(len(live_ids) - recent, 0):] = False
+        return ok
+
+    def pick_lowest(self, live_ids: np.ndarray, count: int, recent: int,
+                    *scores: np.ndarray) -> np.ndarray:
+        """Up to `count` evictable ids with the lowest scores (aligned with live_ids; the first is
+        primary, later ones break ties, then the older token, the smaller id, goes first)."""
+        if count <= 0:
+            return no_eviction()
+        ok = self.evictable(live_ids, recent)
+        ids = live_ids[ok].astype(np.int64)
+        # np.lexsort sorts by its LAST key first: keys go in reversed, the id (last resort) first.
+        # ids [4, 9, 2], score [.3, .1, .1] -> by (score, id): [2, 9, 4] -> count=2 evicts [2, 9]
+        order = np.lexsort((ids,) + tuple(s[ok] for s in reversed(scores)))
+        return np.sort(ids[order[:count]])

@@ -1,0 +1,45 @@
+"""KVMonitor: per-request and engine-wide KV footprint statistics."""
+from typing import Dict, List
+
+from vllm.core.block_manager import BlockManager
+from vllm.sequence import Sequence
+
+
+class KVMonitor:
+    def __init__(self, block_manager: BlockManager):
+        self.bm = block_manager
+        self.steps = 0
+        self.util_sum = 0.0
+        self.live_tokens = 0
+
+    def after_step(self, rows, running: List[Sequence]) -> None:
+        for r in rows:
+            seq, st = r.seq, r.seq.kv_stats
+            blocks = len(seq.block_ids)
+            st["peak_blocks"] = max(st.get("peak_blocks", 0), blocks)
+            if r.is_decode and seq.num_computed_tokens > seq.prefill_end:
+                st["decode_block_steps"] = st.get("decode_block_steps", 0) + blocks
+                st["decode_steps"] = st.get("decode_steps", 0) + 1
+        tt = self.bm.token_table
+        self.live_tokens = sum(tt.num_live(s.seq_id) for s in running if s.seq_id in tt)
+        used = self.bm.pool.num_used
+        if used:
+            self.steps += 1
+            self.util_sum += self.live_tokens / (used * self.bm.block_size)
+
+    def on_finish(self, seq: Sequence) -> None:
+        st = seq.kv_stats
+        st["blocks_at_finish"] = len(seq.block_ids)
+        st["live_tokens"] = self.bm.token_table.num_live(seq.seq_id)
+        st.setdefault("evicted_tokens", 0)
+        st.setdefault("relocated_tokens", 0)
+        steps = st.get("decode_steps", 0)
+        st["mean_blocks"] = st.get("decode_block_steps", 0) / steps if steps else float(
+            st["blocks_at_finish"])
+
+    def stats(self) -> Dict[str, float]:
+        used = self.bm.pool.num_used
+        return {"blocks_total": self.bm.num_blocks, "blocks_used": used,
+                "blocks_peak": self.bm.peak_used, "live_tokens": self.live_tokens,
+                "memory_utilization": self.live_tokens / (used * self.bm.block_size) if used else 0.0,
+                "mean_memory_utilization": self.util_sum / self.steps if self.steps else 0.0}

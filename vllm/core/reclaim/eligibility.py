@@ -1,0 +1,23 @@
+"""Stage 1, eligibility: which running requests are worth planning this step."""
+import numpy as np
+
+from vllm.core.block_manager import BlockManager
+from vllm.sequence import Sequence
+
+
+def candidate_blocks(seq: Sequence, bm: BlockManager, busy: set) -> np.ndarray:
+    """Blocks a plan may touch: private, not the tail (still filling), not in an in-flight plan."""
+    tail = bm.token_table.tail_block(seq.seq_id)
+    return np.array([b for b in seq.block_ids
+                     if b != tail and b not in busy and not bm.is_shared(seq, b)], dtype=np.int64)
+
+
+def is_eligible(seq: Sequence, bm: BlockManager, blocks: np.ndarray, frag_threshold: float) -> bool:
+    """Dead share of the candidate blocks' slots passes --kv-frag-threshold and packing the live
+    tokens would free at least one block."""
+    if len(blocks) < 2 or seq.num_computed_tokens < seq.num_tokens - 1:   # mid-prefill
+        return False
+    live = int(bm.token_table.block_occupancy(seq.seq_id, blocks).sum())
+    slots = len(blocks) * bm.block_size
+    dead_share = 1.0 - live / slots
+    return dead_share >= frag_threshold and -(-live // bm.block_size) < len(blocks)
