@@ -1,6 +1,5 @@
 """Sampler: greedy, min_tokens, top-k / top-p / min-p, seeded batch invariance,
 logprobs and prompt logprobs, temperature distribution."""
-import math
 
 import pytest
 import torch

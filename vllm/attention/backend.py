@@ -60,21 +60,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
     b, h, d = q.shape
-    kv = kv_cache[meta.decode_slots]                 # [B, L, 2, KVH, D]
-    kvh = kv.shape[3]
-    k = kv[:, :, 0].permute(0, 2, 3, 1)              # [B, KVH, D, L]
-    v = kv[:, :, 1].transpose(1, 2)                  # [B, KVH, L, D]
+    width = meta.decode_slots.shape[1]
+    # index_select on the flat view is ~2x faster than advanced indexing on CPU
+    kv = kv_cache.index_select(0, meta.decode_slots.view(-1))
+    kv = kv.view(b, width, 2, kv_cache.shape[2], d)              # [B, L, 2, KVH, D]
+    k = kv[:, :, 0].transpose(1, 2)                              # [B, KVH, L, D]
+    v = kv[:, :, 1].transpose(1, 2)
+    if not meta.collect_stats:
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_bias,
+                                             scale=scale, enable_gqa=True)
+        return out.view(b, h, d)
+    kvh = k.shape[1]
     qg = q.view(b, kvh, h // kvh, d)                 # query heads grouped by their KV head
-    scores = torch.matmul(qg, k) * scale + meta.decode_bias
+    scores = torch.matmul(qg, k.transpose(2, 3)) * scale + meta.decode_bias
     probs = torch.softmax(scores, dim=-1)            # [B, KVH, G, L]
-    if meta.collect_stats:
-        meta.decode_mass += probs.sum(dim=(1, 2), dtype=torch.float32)
+    meta.decode_mass += probs.sum(dim=(1, 2), dtype=torch.float32)
     return torch.matmul(probs, v).reshape(b, h, d)
 
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float,
              colsum: Optional[torch.Tensor]) -> torch.Tensor:
-    kv = kv_cache[span.kv_slots]                     # [Lk, 2, KVH, D]
+    kv = kv_cache.index_select(0, span.kv_slots)     # [Lk, 2, KVH, D]
     k = kv[:, 0].transpose(0, 1)                     # [KVH, Lk, D]
     v = kv[:, 1].transpose(0, 1)
     qh = q.transpose(0, 1)                           # [H, q, D]

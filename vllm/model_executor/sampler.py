@@ -2,12 +2,11 @@
 with temperature, top-k, top-p and min-p, and per-request seeded generators.
 
 All per-row parameters are turned into tensors and applied as batched ops; the
-only per-row Python loop that touches tensors draws the exponential noise of
+only per-row Python loop that touches tensors draws the random noise of
 rows that own a seeded ``torch.Generator`` (so that such a row consumes exactly
 the same random numbers whether it runs alone or inside any batch).
 """
 from dataclasses import dataclass
-import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,6 +42,8 @@ class SamplerOutput:
 # helpers
 # --------------------------------------------------------------------------- #
 def _index(idx: List[int], device: torch.device) -> torch.Tensor:
+    # Row subsets are taken with x[idx]: on CPU, Tensor.index_select(0, ...) on wide
+    # rows is pathologically slow with more than one thread.
     return torch.tensor(idx, dtype=torch.long, device=device)
 
 
@@ -100,8 +101,8 @@ def _logprob_dicts(logprobs: torch.Tensor, token_ids: torch.Tensor,
     tok_rank = (top_vals > tok_lp).sum(dim=1) + 1
     outside = (tok_lp.squeeze(1) < top_vals[:, -1]).nonzero().squeeze(1)
     if outside.numel():
-        lp_out = logprobs.index_select(0, outside)
-        cnt = (lp_out > tok_lp.index_select(0, outside)).sum(dim=1, dtype=torch.int32)
+        lp_out = logprobs[outside]
+        cnt = (lp_out > tok_lp[outside]).sum(dim=1, dtype=torch.int32)
         tok_rank.index_copy_(0, outside, cnt.to(tok_rank.dtype) + 1)
 
     top_vals_l = top_vals[:, :max_k].tolist()
@@ -167,8 +168,8 @@ def _apply_top_p(probs: torch.Tensor, p: torch.Tensor, cand: int) -> None:
     thresh = torch.empty((probs.shape[0], 1), dtype=probs.dtype, device=probs.device)
     todo: Optional[torch.Tensor] = None           # None = all rows
     while True:
-        sub = probs if todo is None else probs.index_select(0, todo)
-        sub_p = p if todo is None else p.index_select(0, todo)
+        sub = probs if todo is None else probs[todo]
+        sub_p = p if todo is None else p[todo]
         if cand < vocab:
             s_probs = torch.topk(sub, cand, dim=1).values
         else:
@@ -183,7 +184,7 @@ def _apply_top_p(probs: torch.Tensor, p: torch.Tensor, cand: int) -> None:
         left = (~covered).nonzero().squeeze(1)
         if left.numel() == 0:
             break
-        todo = left if todo is None else todo.index_select(0, left)
+        todo = left if todo is None else todo[left]
         cand *= 16
     probs.masked_fill_(probs < thresh, 0.0)
 
@@ -197,7 +198,7 @@ def _apply_top_k(x: torch.Tensor, top_k: List[int]) -> None:
         return
     all_rows = len(kr) == n
     kr_t = None if all_rows else _index(kr, x.device)
-    xs = x if all_rows else x.index_select(0, kr_t)
+    xs = x if all_rows else x[kr_t]
     vals = torch.topk(xs, max(top_k[i] for i in kr), dim=1).values   # descending
     thresh = vals.gather(1, _index([top_k[i] - 1 for i in kr], x.device).unsqueeze(1))
     xs.masked_fill_(xs < thresh, _NEG_INF)
@@ -219,7 +220,7 @@ def _random_probs(x: torch.Tensor, params: List[SamplingParams]) -> torch.Tensor
     if pr:
         all_rows = len(pr) == n
         pr_t = None if all_rows else _index(pr, dev)
-        ps = probs if all_rows else probs.index_select(0, pr_t)
+        ps = probs if all_rows else probs[pr_t]
         ks = [top_k[i] for i in pr if 0 < top_k[i] < vocab]
         # rows restricted to top-k only need their k largest probs as candidates
         cand = max(ks) if len(ks) == len(pr) else max([_TOP_P_CANDIDATES] + ks)
@@ -294,7 +295,7 @@ class Sampler:
         else:
             all_rand = len(rand) == b
             rand_t = None if all_rand else _index(rand, dev)
-            x = logits if all_rand else logits.index_select(0, rand_t)
+            x = logits if all_rand else logits[rand_t]
             temps = torch.tensor([rows[i].params.temperature for i in rand],
                                  dtype=torch.float32, device=dev).unsqueeze(1)
             x = x / temps                                          # new tensor; logits untouched
@@ -316,7 +317,7 @@ class Sampler:
                 lp_logits, lp_tok = logits, sampled
             else:
                 lp_t = _index(lp_rows, dev)
-                lp_logits, lp_tok = logits.index_select(0, lp_t), sampled.index_select(0, lp_t)
+                lp_logits, lp_tok = logits[lp_t], sampled[lp_t]
             lps = torch.log_softmax(lp_logits, dim=1)
             dicts = _logprob_dicts(lps, lp_tok, [rows[i].params.logprobs for i in lp_rows])
             for i, d in zip(lp_rows, dicts):
