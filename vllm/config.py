@@ -81,6 +81,7 @@ class KVEvictionConfig:
     frag_threshold: float = 0.25            # dead share of private slots that makes a request eligible
     reclaim_headroom_blocks: int = 1
     check_invariants: bool = False
+    reclaim_force_sync: bool = False        # ablation: block on every relocation copy
 
     def __post_init__(self):
         _check(self.policy in EVICTION_POLICIES, "--kv-eviction-policy",

@@ -11,7 +11,8 @@ _KV_FIELDS = {  # EngineArgs field -> KVEvictionConfig field
     "kv_budget_tokens": "budget_tokens", "kv_sink_tokens": "sink_tokens",
     "kv_recent_fraction": "recent_fraction", "kv_reclamation": "reclamation",
     "kv_frag_threshold": "frag_threshold", "kv_reclaim_headroom_blocks": "reclaim_headroom_blocks",
-    "kv_check_invariants": "check_invariants", "seed": "seed",
+    "kv_check_invariants": "check_invariants", "kv_reclaim_force_sync": "reclaim_force_sync",
+    "seed": "seed",
 }
 
 
@@ -30,6 +31,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     seed: int = 0
     enforce_eager: bool = False
+    load_format: str = "auto"              # auto | simulate (no model math, synthetic attention)
     kv_eviction_policy: str = "none"
     kv_eviction_ratio: float = 0.5
     kv_budget_tokens: Optional[int] = None
@@ -39,6 +41,7 @@ class EngineArgs:
     kv_frag_threshold: float = 0.25
     kv_reclaim_headroom_blocks: int = 1
     kv_check_invariants: bool = False
+    kv_reclaim_force_sync: bool = False
 
     def eviction_config(self) -> KVEvictionConfig:
         return KVEvictionConfig(**{dst: getattr(self, src) for src, dst in _KV_FIELDS.items()})
@@ -63,6 +66,8 @@ class EngineArgs:
         add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         add("--seed", type=int, default=0)
         add("--enforce-eager", action="store_true")
+        add("--load-format", type=str, default="auto", choices=["auto", "simulate"],
+            help="simulate: skip model math and emit seeded synthetic attention statistics")
         add("--kv-eviction-policy", type=str, default="none", choices=list(EVICTION_POLICIES))
         add("--kv-eviction-ratio", type=float, default=0.5,
             help="fraction of tokens evicted (budget = floor((1 - r) * length))")
@@ -74,6 +79,8 @@ class EngineArgs:
         add("--kv-frag-threshold", type=float, default=0.25)
         add("--kv-reclaim-headroom-blocks", type=int, default=1)
         add("--kv-check-invariants", action="store_true")
+        add("--kv-reclaim-force-sync", action="store_true",
+            help="ablation: wait for every relocation copy instead of polling its event")
         return parser
 
     @classmethod

@@ -46,7 +46,7 @@ class RequestState:
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         model_dir = resolve_model(args.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+        self.tokenizer = self._load_tokenizer(args.tokenizer or model_dir, args.load_format)
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.hf_config = hf_config
         max_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
@@ -61,12 +61,18 @@ class LLMEngine:
             max_len, args.enable_chunked_prefill)
         self.kv_config = args.eviction_config()
         torch.manual_seed(args.seed)
-        self.model = get_model(model_dir, hf_config, self.model_config.dtype, max_len)
+        self.simulated = args.load_format == "simulate"
+        if self.simulated:   # no model math: the KV plane (scheduler, tables, policies) runs for real
+            from vllm.model_executor.models.simulated import SimulatedModel
+            self.model = SimulatedModel(hf_config, args.seed)
+        else:
+            self.model = get_model(model_dir, hf_config, self.model_config.dtype, max_len)
         num_blocks = self._num_kv_blocks()
         cfg = self.model.config
-        self.kv_caches = torch.zeros(cfg.num_hidden_layers, num_blocks * args.block_size, 2,
-                                     cfg.num_key_value_heads, cfg.head_dim,
-                                     dtype=DTYPES[self.model_config.dtype])
+        shape = (1, num_blocks * args.block_size, 2, 1, 1) if self.simulated else \
+            (cfg.num_hidden_layers, num_blocks * args.block_size, 2, cfg.num_key_value_heads,
+             cfg.head_dim)
+        self.kv_caches = torch.zeros(shape, dtype=DTYPES[self.model_config.dtype])
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         headroom = HeadroomAdmission(self.kv_config).reserve()
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, headroom)
@@ -81,7 +87,8 @@ class LLMEngine:
             self.eviction = EvictionDriver(self.kv_config, self.block_manager,
                                            cfg.num_hidden_layers * cfg.num_attention_heads)
         if self.kv_config.reclaims:
-            self.set_relocation_executor(RelocationExecutor(self.kv_caches))
+            self.set_relocation_executor(
+                RelocationExecutor(self.kv_caches, force_sync=self.kv_config.reclaim_force_sync))
 
     def set_relocation_executor(self, executor) -> None:
         """Install the copy executor (tests install one whose completion is delayed)."""
@@ -91,6 +98,15 @@ class LLMEngine:
         self.reclaimer = ReclamationBackend(self.kv_config, self.block_manager, executor,
                                             self.kv_config.check_invariants)
         self.eviction.busy_blocks = self.reclaimer.busy_blocks
+
+    @staticmethod
+    def _load_tokenizer(path: str, load_format: str):
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            if load_format == "simulate":
+                return None            # simulated runs take prompt token ids only
+            raise
 
     # ---- sizing -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -143,7 +159,7 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _eos_token_id(self) -> Optional[int]:
-        return self.tokenizer.eos_token_id
+        return self.tokenizer.eos_token_id if self.tokenizer is not None else None
 
     def _validate_prompt(self, ids: List[int]) -> None:
         if not ids:

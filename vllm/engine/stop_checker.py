@@ -12,6 +12,8 @@ class StopChecker:
     def detokenize(self, seq: Sequence) -> None:
         if seq.stop_reason is not None and isinstance(seq.stop_reason, str):
             return   # already truncated at the stop string
+        if self.tokenizer is None:
+            return
         seq.output_text = self.tokenizer.decode(
             seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 

@@ -28,8 +28,9 @@ class CopyEvent:
 
 
 class RelocationExecutor:
-    def __init__(self, kv_caches: torch.Tensor):
+    def __init__(self, kv_caches: torch.Tensor, force_sync: bool = False):
         self.kv_caches = kv_caches
+        self.force_sync = force_sync
         self.copy_time = 0.0
         self.launches = 0
 
