@@ -72,7 +72,10 @@ class DelayedRelocationExecutor(RelocationExecutor):
         self.launches += 1
         self.kv_caches[:, dst] = float("nan")
         event = _DelayedEvent(self, src.clone(), dst.clone(), self.delay_steps)
-        self.pending.append(event)
+        if self.delay_steps <= 0:
+            event.land()
+        else:
+            self.pending.append(event)
         return event
 
     def step(self) -> None:
