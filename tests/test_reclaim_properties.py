@@ -9,6 +9,7 @@ from vllm.config import KVEvictionConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.eviction_driver import EvictionDriver
 from vllm.core.reclaim.backend import ReclamationBackend
+from vllm.core.reclaim.hole_filler import HoleFiller
 from vllm.core.reclaim.planner import BlockSnapshot, plan
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence
@@ -22,7 +23,7 @@ LAYERS = 2
 class Harness:
     """The KV plane without a model: every token's K/V payload is its (seq, id) fingerprint."""
 
-    def __init__(self, delay: int, frag: float):
+    def __init__(self, delay: int, frag: float, fill: bool = False):
         self.bm = BlockManager(NUM_BLOCKS, BS)
         self.kv = torch.zeros(LAYERS, NUM_BLOCKS * BS, 2, 1, 2)
         cfg = KVEvictionConfig(policy="random", frag_threshold=frag, check_invariants=True)
@@ -30,6 +31,9 @@ class Harness:
                                           check_invariants=True)
         self.driver = EvictionDriver(cfg, self.bm, num_layer_heads=1)
         self.driver.busy_blocks = self.backend.busy_blocks
+        if fill:
+            self.bm.hole_filler = HoleFiller(self.bm)
+            self.bm.hole_filler.busy_blocks = self.backend.busy_blocks
         self.running = []
         self.next_id = 0
 
@@ -93,9 +97,10 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "append", "evict", "reclaim", "
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, delay=st.integers(0, 3), frag=st.sampled_from([0.0, 0.25, 0.6]))
-def test_random_operations_keep_invariants(ops, delay, frag):
-    h = Harness(delay, frag)
+@given(ops=ops, delay=st.integers(0, 3), frag=st.sampled_from([0.0, 0.25, 0.6]),
+       fill=st.booleans())
+def test_random_operations_keep_invariants(ops, delay, frag, fill):
+    h = Harness(delay, frag, fill)
     for op, k, x in ops:
         if op == "add" or not h.running:
             h.add(1 + k % 40)
@@ -167,4 +172,36 @@ def test_shared_blocks_never_planned():
     h.bm.pool.touch(shared)                            # another request holds the prefix
     cands = candidate_blocks(seq, h.bm, busy=set())
     assert not set(shared) & set(cands.tolist())
+    h.bm.pool.release(shared)
+
+
+def test_hole_filling_reuses_dead_slots_before_growing():
+    h = Harness(delay=0, frag=1.0, fill=True)          # frag 1.0: no relocation, only filling
+    h.add(32)                                          # 8 full blocks
+    seq = h.running[0]
+    h.evict(0, 0.25, seed=1)                           # 7 holes
+    holes = h.bm.hole_filler.holes(seq)
+    blocks = list(seq.block_ids)
+    h.append(0, len(holes))                            # all land in holes: no new block
+    assert seq.block_ids == blocks
+    assert (h.bm.token_table.slots(seq.seq_id, 32, 32 + len(holes)) == holes).all()
+    h.check()
+    h.append(0, 1)                                     # no hole left: the tail grows
+    assert len(seq.block_ids) == len(blocks) + 1
+    h.check()
+
+
+def test_hole_filling_skips_in_flight_and_shared_blocks():
+    h = Harness(delay=3, frag=0.0, fill=True)
+    h.add(40)
+    seq = h.running[0]
+    h.evict(0, 0.5, seed=2)
+    h.reclaim()                                        # plan in flight for 3 steps
+    busy = h.backend.busy_blocks(seq.seq_id)
+    assert busy
+    holes = h.bm.hole_filler.holes(seq)
+    assert not set((holes // BS).tolist()) & busy
+    shared = [b for b in seq.block_ids if b not in busy][:1]
+    h.bm.pool.touch(shared)
+    assert not set((h.bm.hole_filler.holes(seq) // BS).tolist()) & set(shared)
     h.bm.pool.release(shared)

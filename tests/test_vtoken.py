@@ -53,6 +53,13 @@ def test_naive_evict_and_vtoken_are_token_identical(tiny_llama, long_prompts, po
     if policy != "sliding-window":   # a sliding window only ever drops whole oldest blocks
         assert llm.get_kv_stats()["relocation_events"] > 0
     assert sum(o.kv_stats["mean_blocks"] for o in vtok) <= sum(o.kv_stats["mean_blocks"] for o in naive)
+    fill_llm, fill, fill_seqs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
+                                    kv_reclamation="vtoken-fill", kv_frag_threshold=0.0)
+    assert [o.outputs[0].token_ids for o in fill] == [o.outputs[0].token_ids for o in naive]
+    assert logs(fill_seqs) == logs(naive_seqs)
+    fill_stats, vtok_stats = fill_llm.get_kv_stats(), llm.get_kv_stats()
+    assert fill_stats["hole_slots_reused"] > 0
+    assert fill_stats["bytes_moved"] <= vtok_stats["bytes_moved"] or policy == "scissorhands"
 
 
 def test_policy_none_with_vtoken_matches_native(tiny_llama, long_prompts):

@@ -7,7 +7,7 @@ from typing import Optional
 
 EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-window",
                      "random", "tova", "snapkv")
-RECLAMATION_MODES = ("vtoken", "none")
+RECLAMATION_MODES = ("vtoken", "vtoken-fill", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -117,4 +117,8 @@ class KVEvictionConfig:
 
     @property
     def reclaims(self) -> bool:
-        return self.enabled and self.reclamation == "vtoken"
+        return self.enabled and self.reclamation in ("vtoken", "vtoken-fill")
+
+    @property
+    def fills_holes(self) -> bool:
+        return self.enabled and self.reclamation == "vtoken-fill"

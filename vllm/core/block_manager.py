@@ -23,6 +23,7 @@ class BlockManager:
         self.token_table = TokenTable(block_size)
         self.peak_used = 0
         self.before_free: List = []     # hooks run before a sequence's blocks are released
+        self.hole_filler = None         # vtoken-fill: gives reusable dead slots for new tokens
 
     @property
     def num_blocks(self) -> int:
@@ -82,17 +83,27 @@ class BlockManager:
         self._note_peak()
 
     # ---- running ----------------------------------------------------------------------------
-    def blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
-        spill = num_new_tokens - self.token_table.tail_free(seq.seq_id)
+    def _holes(self, seq: Sequence, num_new_tokens: int):
+        if self.hole_filler is None:
+            return None
+        return self.hole_filler.holes(seq)[:num_new_tokens]
+
+    def blocks_to_append(self, seq: Sequence, num_new_tokens: int, holes=None) -> int:
+        reused = 0 if holes is None else len(holes)
+        spill = num_new_tokens - reused - self.token_table.tail_free(seq.seq_id)
         return _cdiv(max(spill, 0), self.block_size)
 
     def can_append(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
-        return self.pool.num_free - self.blocks_to_append(seq, num_new_tokens) >= reserve
+        holes = self._holes(seq, num_new_tokens)
+        return self.pool.num_free - self.blocks_to_append(seq, num_new_tokens, holes) >= reserve
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        seq.block_ids += self.pool.allocate(self.blocks_to_append(seq, num_new_tokens))
+        holes = self._holes(seq, num_new_tokens)
+        seq.block_ids += self.pool.allocate(self.blocks_to_append(seq, num_new_tokens, holes))
         self.token_table.sync_new_tokens(seq.seq_id, seq.block_ids,
-                                         seq.num_computed_tokens + num_new_tokens)
+                                         seq.num_computed_tokens + num_new_tokens, holes)
+        if holes is not None:
+            self.hole_filler.slots_reused += len(holes)
         self._note_peak()
 
     # ---- release ----------------------------------------------------------------------------
@@ -110,6 +121,7 @@ class BlockManager:
         if not gone:
             return
         seq.block_ids = [b for b in seq.block_ids if b not in gone]
+        self.token_table.forget_blocks(seq.seq_id, gone)
         seq.blocks_in_order = False
         seq.shared_blocks -= gone
         self.pool.release(list(blocks))

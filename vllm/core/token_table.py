@@ -8,7 +8,7 @@ Policies mark tokens dead (`evict_token`); the block manager registers new token
 (`sync_new_tokens`); the reclamation backend repoints moved tokens (`apply_moves`).
 Block occupancy is derived from these same arrays, so liveness and occupancy never disagree.
 """
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -64,17 +64,34 @@ class TokenTable:
         return list(self._entries)
 
     # ---- the paper's interface --------------------------------------------------------------
-    def sync_new_tokens(self, req_id: str, block_ids: Sequence[int], total_len: int) -> np.ndarray:
-        """Register logical ids [length, total_len); their slots continue the tail of block_ids.
+    def sync_new_tokens(self, req_id: str, block_ids: Sequence[int], total_len: int,
+                        holes: Optional[np.ndarray] = None) -> np.ndarray:
+        """Register logical ids [length, total_len); returns their slots.
 
-        New slots fill the rest of the current tail block, then each block after it in block_ids.
-        Returns the new tokens' slots.
+        New tokens take the given dead `holes` first (hole filling), then continue the tail:
+        the rest of the current tail block, then each block after it in block_ids.
         """
         e = self._entries[req_id]
         n_new = total_len - e.length
         assert n_new >= 0, f"{req_id}: total_len {total_len} < registered {e.length}"
         if n_new == 0:
             return np.empty(0, dtype=np.int32)
+        reused = np.empty(0, np.int64) if holes is None else np.asarray(holes, np.int64)[:n_new]
+        slots = np.concatenate([reused, self._tail_slots(e, block_ids, n_new - len(reused))])
+        assert len(slots) == n_new, f"{req_id}: blocks hold {len(slots)} new slots, need {n_new}"
+        e.grow(total_len)
+        e.slot[e.length:total_len] = slots
+        e.live[e.length:total_len] = True
+        e.length = total_len
+        e.num_live += n_new
+        if len(slots) > len(reused):
+            last = int(slots[-1])
+            e.tail_block, e.tail_fill = last // self.block_size, last % self.block_size + 1
+        return slots.astype(np.int32)
+
+    def _tail_slots(self, e: _Entry, block_ids: Sequence[int], n: int) -> np.ndarray:
+        if n == 0:
+            return np.empty(0, np.int64)
         bs = self.block_size
         if e.tail_block >= 0:
             after = len(block_ids) - 1 - list(reversed(block_ids)).index(e.tail_block)
@@ -84,16 +101,24 @@ class TokenTable:
         fresh = np.asarray(block_ids[after + 1:], dtype=np.int64)
         # fresh blocks [7, 2], block_size 4 -> slots [28, 29, 30, 31, 8, 9, 10, 11]
         body = (fresh[:, None] * bs + np.arange(bs)).ravel()
-        slots = np.concatenate([head, body])[:n_new]
-        assert len(slots) == n_new, f"{req_id}: blocks hold {len(slots)} new slots, need {n_new}"
-        e.grow(total_len)
-        e.slot[e.length:total_len] = slots
-        e.live[e.length:total_len] = True
-        e.length = total_len
-        e.num_live += n_new
-        last = int(slots[-1])
-        e.tail_block, e.tail_fill = last // bs, last % bs + 1
-        return slots.astype(np.int32)
+        return np.concatenate([head, body])[:n]
+
+    def forget_blocks(self, req_id: str, blocks: Iterable[int]) -> None:
+        """Dead tokens whose block left the request point nowhere (-1) from now on."""
+        e = self._entries[req_id]
+        n = e.length
+        gone = np.isin(e.slot[:n] // self.block_size, np.asarray(list(blocks), np.int64))
+        assert not (gone & e.live[:n]).any(), f"{req_id}: freeing a block with live tokens"
+        e.slot[:n][gone] = -1
+
+    def dead_slots(self, req_id: str) -> np.ndarray:
+        """Slots that hold only dead tokens' KV (reusable), ascending."""
+        e = self._entries[req_id]
+        if e.num_live == e.length:
+            return np.empty(0, np.int64)
+        n = e.length
+        dead = e.slot[:n][~e.live[:n]]
+        return np.setdiff1d(dead[dead >= 0], e.slot[:n][e.live[:n]]).astype(np.int64)
 
     def evict_token(self, req_id: str, token_id: int) -> None:
         self.evict_tokens(req_id, np.array([token_id], dtype=np.int64))

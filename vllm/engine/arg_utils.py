@@ -75,7 +75,8 @@ class EngineArgs:
         add("--kv-sink-tokens", type=int, default=None)
         add("--kv-recent-fraction", type=float, default=0.5)
         add("--kv-reclamation", type=str, default="vtoken", choices=list(RECLAMATION_MODES),
-            help="vtoken: repack partially live blocks; none: Naive-Evict")
+            help="vtoken: repack partially live blocks; vtoken-fill: also write new tokens into "
+                 "dead slots first; none: Naive-Evict")
         add("--kv-frag-threshold", type=float, default=0.25)
         add("--kv-reclaim-headroom-blocks", type=int, default=1)
         add("--kv-check-invariants", action="store_true")

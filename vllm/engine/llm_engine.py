@@ -13,6 +13,7 @@ from vllm.core.kv_monitor import KVMonitor
 from vllm.core.eviction_driver import EvictionDriver
 from vllm.core.reclaim.admission import HeadroomAdmission
 from vllm.core.reclaim.backend import ReclamationBackend
+from vllm.core.reclaim.hole_filler import HoleFiller
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.stop_checker import StopChecker
@@ -98,6 +99,9 @@ class LLMEngine:
         self.reclaimer = ReclamationBackend(self.kv_config, self.block_manager, executor,
                                             self.kv_config.check_invariants)
         self.eviction.busy_blocks = self.reclaimer.busy_blocks
+        if self.kv_config.fills_holes:
+            self.block_manager.hole_filler = HoleFiller(self.block_manager)
+            self.block_manager.hole_filler.busy_blocks = self.reclaimer.busy_blocks
 
     @staticmethod
     def _load_tokenizer(path: str, load_format: str):
@@ -305,6 +309,8 @@ class LLMEngine:
         stats["evicted_tokens"] = self.eviction.evicted_tokens if self.eviction else 0
         stats["preemptions"] = self.scheduler.num_preemptions
         reclaim = self.reclaimer.stats() if self.reclaimer else {}
+        filler = self.block_manager.hole_filler
+        stats["hole_slots_reused"] = filler.slots_reused if filler else 0
         for key in ("relocation_events", "relocated_tokens", "bytes_moved", "blocks_reclaimed",
                     "planner_time_s", "copy_time_s", "table_rewrite_time_s", "copy_launches"):
             stats[key] = reclaim.get(key, 0)
