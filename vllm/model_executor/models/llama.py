@@ -25,8 +25,8 @@ class Linear(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.pow(2).mean(-1, keepdim=True)
-    return x * torch.rsqrt(var + eps) * weight
+    # one fused op; bitwise equal to x * rsqrt(mean(x^2) + eps) * weight in float32
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
 
 
 def rope_parameters(config) -> Tuple[float, dict]:
@@ -101,10 +101,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, rotary, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
         h = rms_norm(x, self.ln1, self.eps)
-        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv(h)
+        # rotate q and k heads together: [T, H + KVH, D]
+        qk = rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
         x = x + self.o(attn.reshape(t, self.q_size))
         h = rms_norm(x, self.ln2, self.eps)
