@@ -1,12 +1,131 @@
-"""One dispatch point for kernels: CUDA op when built, else the torch fallback."""
+"""One dispatch point for kernels: CUDA op, Triton kernel or torch fallback.
+
+    op                 CUDA tensors (auto)                          CPU tensors (auto)
+    relocate_kv        vllm._C op if built, else Triton, else torch  torch index_copy_
+    decode_attention   Triton                                        torch gather + softmax
+    prefill_attention  xformers if installed, else torch SDPA        torch SDPA (no xformers)
+
+`backend=` (per call) or the VLLM_KERNEL_BACKEND environment variable ("cuda", "triton",
+"torch") forces a path where that op has it. Triton on CPU needs TRITON_INTERPRET=1 set before
+triton is imported, so it is only ever used there when asked for (tests).
+"""
+import functools
+import importlib.util
+import os
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
+
+_FORCED = os.environ.get("VLLM_KERNEL_BACKEND") or None
 
 
-def relocate_kv(kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+@functools.lru_cache(maxsize=None)
+def _available(backend: str) -> bool:
+    if backend == "cuda":
+        try:
+            import vllm._C  # noqa: F401  (registers torch.ops.vtoken.*)
+        except ImportError:
+            return False
+        return hasattr(torch.ops.vtoken, "relocate_kv")
+    if backend in ("triton", "xformers"):
+        return importlib.util.find_spec(backend) is not None
+    return backend == "torch"
+
+
+def _pick(backend: Optional[str], on_cuda: bool, auto: tuple) -> str:
+    """auto: this op's CUDA preference order, ending in "torch"."""
+    if backend is not None:
+        assert backend in auto, f"backend {backend!r} not one of {auto}"
+        return backend
+    if _FORCED in auto:
+        return _FORCED
+    if not on_cuda:
+        return "torch"
+    return next(b for b in auto if _available(b))
+
+
+# ---- relocation ---------------------------------------------------------------------------------
+def relocate_kv(kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                backend: Optional[str] = None) -> None:
     """kv_caches [L, S, 2, KVH, D]: copy every layer's K and V rows src[i] -> dst[i] in place.
 
     src and dst never overlap (the planner moves live tokens into dead slots of other blocks).
     """
     if len(src) == 0:
         return
-    kv_caches.index_copy_(1, dst, kv_caches.index_select(1, src))
+    if backend is None and _FORCED is None and not kv_caches.is_cuda:   # the CPU hot path
+        kv_caches.index_copy_(1, dst, kv_caches.index_select(1, src))
+        return
+    which = _pick(backend, kv_caches.is_cuda, ("cuda", "triton", "torch"))
+    if which == "cuda":
+        torch.ops.vtoken.relocate_kv(kv_caches, src, dst)
+    elif which == "triton":
+        from vllm.attention.triton_relocate import relocate_kv as triton_relocate
+        triton_relocate(kv_caches, src, dst)
+    else:
+        dst = dst.to(kv_caches.device)
+        kv_caches.index_copy_(1, dst, kv_caches.index_select(1, src.to(kv_caches.device)))
+
+
+# ---- decode attention ---------------------------------------------------------------------------
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                     lens: torch.Tensor, scale: float, mass: Optional[torch.Tensor] = None,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """q [B, H, D], kv_cache [S, 2, KVH, D], slots [B, Lmax] (first lens[b] valid) -> [B, H, D].
+
+    mass (float32 [B, Lmax]), if given, += each key's attention probability summed over heads.
+    """
+    if _pick(backend, q.is_cuda, ("triton", "torch")) == "triton":
+        from vllm.attention.triton_decode import decode_attention as triton_decode
+        return triton_decode(q, kv_cache, slots, lens, scale, mass)
+    b, h, d = q.shape
+    kvh, width = kv_cache.shape[2], slots.shape[1]
+    valid = torch.arange(width, device=q.device)[None, :] < lens[:, None]      # [B, Lmax]
+    kv = kv_cache.index_select(0, slots.clamp(min=0).reshape(-1)).view(b, width, 2, kvh, d)
+    k, v = kv[:, :, 0].transpose(1, 2).float(), kv[:, :, 1].transpose(1, 2).float()
+    qg = q.view(b, kvh, h // kvh, d).float()                   # query heads grouped by KV head
+    scores = torch.matmul(qg, k.transpose(2, 3)) * scale        # [B, KVH, G, Lmax]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)     # padding rows (lens 0): zeros
+    if mass is not None:
+        mass[:, :width] += probs.sum(dim=(1, 2))
+    return torch.matmul(probs, v).reshape(b, h, d).to(q.dtype)
+
+
+# ---- prefill attention --------------------------------------------------------------------------
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: Optional[torch.Tensor], scale: float,
+                      backend: Optional[str] = None) -> torch.Tensor:
+    """q [H, Lq, D], k/v [KVH, Lk, D] -> [H, Lq, D].
+
+    mask [Lq, Lk] bool (True = attend); None = causal with the queries as the last Lq keys
+    (query i sees keys 0 .. i + Lk - Lq).
+    """
+    if _pick(backend, q.is_cuda, ("xformers", "torch")) == "xformers":
+        return _prefill_xformers(q, k, v, mask, scale)
+    lq, lk = q.shape[1], k.shape[1]
+    if mask is None and lq != lk:          # SDPA's is_causal is top-left aligned
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          scale=scale, enable_gqa=True)
+
+
+def _prefill_xformers(q, k, v, mask, scale):
+    import xformers.ops as xops
+    from xformers.ops.fmha.attn_bias import LowerTriangularFromBottomRightMask
+    h, lq, d = q.shape
+    kvh, lk, _ = k.shape
+    g = h // kvh
+    # grouped-query attention as xformers' 5-d layout [batch, seq, kv_heads, group, dim]:
+    # q [H, Lq, D] -> [1, Lq, KVH, G, D];  k [KVH, Lk, D] -> [1, Lk, KVH, G (stride 0), D]
+    qx = q.view(kvh, g, lq, d).permute(2, 0, 1, 3).unsqueeze(0)
+    kx = k.permute(1, 0, 2)[:, :, None].expand(lk, kvh, g, d).unsqueeze(0)
+    vx = v.permute(1, 0, 2)[:, :, None].expand(lk, kvh, g, d).unsqueeze(0)
+    if mask is None:
+        bias = LowerTriangularFromBottomRightMask()
+    else:   # additive bias; its storage is padded to a multiple of 8 keys, as xformers asks
+        padded = torch.zeros(lq, -(-lk // 8) * 8, dtype=q.dtype, device=q.device)[:, :lk]
+        bias = padded.masked_fill_(~mask, float("-inf")).expand(1, kvh, g, lq, lk)
+    out = xops.memory_efficient_attention(qx, kx, vx, attn_bias=bias, scale=scale)
+    return out[0].permute(1, 2, 0, 3).reshape(h, lq, d)

@@ -1,15 +1,28 @@
-"""RelocationExecutor: copies K and V of every layer for all of a step's moves in one call.
+"""RelocationExecutor: copies K and V of every layer for all of a step's moves in one launch.
 
     kv_caches  [num_layers, num_slots, 2, kv_heads, head_dim]
     kv_caches[:, dst] = kv_caches[:, src]        one batched gather/scatter over every layer
 
-`submit` returns a CopyEvent; the backend polls `event.query()` and applies the moves to the
-token table (and frees emptied blocks) only once it reports completion. On CPU the copy is
-synchronous and the event completes at once; `DelayedRelocationExecutor` (tests) holds
-completion back for N steps to exercise the asynchronous protocol (I3).
+Protocol (one event per submitted batch; the reclamation backend drives it):
+
+    engine step k   forward ... -> backend.step: executor.step(); poll event.query();
+                                   completed -> apply_moves + free blocks; plan; submit(src, dst)
+    engine step k+1 prepare_inputs -> executor.pre_attention() -> forward (attention) ...
+
+On CUDA the copy runs on a side stream that first waits for the compute stream (the sources may
+have been written by this very step's forward), and records an event. Nothing on the host waits:
+the backend polls `query()`, and only a completed batch has its moves applied, so attention
+reads the old slots until then. `pre_attention()` makes the compute stream wait (a stream wait,
+never a device synchronize) on the batches completed since the last call, i.e. on every batch
+whose new slots the next attention may read (I3). Batches complete in submission order on the
+one side stream, so waiting on the newest completed event covers all of them. On CPU the copy
+is synchronous and the event completes at once: the same state machine, with no-op waits.
+
+`force_sync` (ablation) blocks the host on each batch at submit; the time blocked on the device
+is `blocked_time`. `DelayedRelocationExecutor` (tests) lands each copy N steps after submit.
 """
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -17,6 +30,8 @@ from vllm import _custom_ops as ops
 
 
 class CopyEvent:
+    """A completed copy (CPU). query() polls, synchronize() blocks, wait(stream) orders a stream."""
+
     def __init__(self, done: bool = True):
         self._done = done
 
@@ -26,23 +41,92 @@ class CopyEvent:
     def synchronize(self) -> None:
         self._done = True
 
+    def wait(self, stream=None) -> None:
+        """Make `stream` (default: current) wait for the copy; no-op off CUDA."""
+
+
+class CudaCopyEvent(CopyEvent):
+    def __init__(self, owner: "RelocationExecutor", number: int, start, end, keepalive):
+        super().__init__(done=False)
+        self.owner, self.number, self.start, self.end = owner, number, start, end
+        self._keepalive = keepalive          # index tensors the copy still reads
+
+    def query(self) -> bool:
+        if not self._done and self.end.query():
+            self._retire()
+        return self._done
+
+    def synchronize(self) -> None:
+        if not self._done:
+            t0 = time.perf_counter()
+            self.end.synchronize()
+            self.owner.blocked_time += time.perf_counter() - t0
+            self._retire()
+
+    def wait(self, stream=None) -> None:
+        (stream or torch.cuda.current_stream(self.end.device)).wait_event(self.end)
+
+    def _retire(self) -> None:
+        self._done = True
+        self._keepalive = None
+        self.owner.device_time += self.start.elapsed_time(self.end) / 1e3
+        newest = self.owner.newest_completed
+        if newest is None or newest.number < self.number:
+            self.owner.newest_completed = self
+
 
 class RelocationExecutor:
-    def __init__(self, kv_caches: torch.Tensor, force_sync: bool = False):
+    def __init__(self, kv_caches: torch.Tensor, force_sync: bool = False,
+                 backend: Optional[str] = None):
         self.kv_caches = kv_caches
         self.force_sync = force_sync
-        self.copy_time = 0.0
+        self.backend = backend                 # None: _custom_ops picks (see its table)
+        self.stream = torch.cuda.Stream(kv_caches.device) if kv_caches.is_cuda else None
+        self.copy_time = 0.0                   # host seconds inside submit (CPU: the copy itself)
+        self.blocked_time = 0.0                # host seconds blocked waiting for the device
+        self.device_time = 0.0                 # device seconds of completed copies (CUDA)
         self.launches = 0
+        self.newest_completed: Optional[CudaCopyEvent] = None   # since the last pre_attention
 
     def submit(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
         t0 = time.perf_counter()
-        ops.relocate_kv(self.kv_caches, src, dst)
+        if self.stream is None:
+            ops.relocate_kv(self.kv_caches, src, dst, self.backend)
+            event = CopyEvent(done=True)
+        else:
+            event = self._submit_cuda(src, dst)
         self.copy_time += time.perf_counter() - t0
         self.launches += 1
-        return CopyEvent(done=True)
+        if self.force_sync:
+            event.synchronize()
+        return event
+
+    def _submit_cuda(self, src: torch.Tensor, dst: torch.Tensor) -> CudaCopyEvent:
+        device = self.kv_caches.device
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            idx = torch.stack([src, dst]).to(torch.int64)
+            idx = idx.pin_memory().to(device, non_blocking=True) if not idx.is_cuda else idx
+            start.record()
+            ops.relocate_kv(self.kv_caches, idx[0], idx[1], self.backend)
+            end.record()
+        return CudaCopyEvent(self, self.launches, start, end, keepalive=idx)
 
     def step(self) -> None:
-        """Called once per engine step (advances simulated delays)."""
+        """Called once per engine step, before the backend polls (advances simulated delays)."""
+
+    def pre_attention(self, stream=None) -> None:
+        """Call before the next attention (or graph replay): the compute stream waits on the
+        batches completed since the last call, whose moves the backend may have applied."""
+        if self.newest_completed is not None:
+            self.newest_completed.wait(stream)
+            self.newest_completed = None
+
+    def stats(self) -> dict:
+        return {"copy_launches": self.launches, "copy_time_s": self.copy_time,
+                "copy_blocked_s": self.blocked_time, "copy_device_s": self.device_time}
 
 
 class _DelayedEvent(CopyEvent):
@@ -54,19 +138,24 @@ class _DelayedEvent(CopyEvent):
         if not self._done:
             ops.relocate_kv(self.executor.kv_caches, self.src, self.dst)
             self._done = True
+            self.executor.landed += 1
 
     def synchronize(self) -> None:
         self.land()
 
+    def wait(self, stream=None) -> None:
+        self.land()          # whatever runs after this sees the copy
+
 
 class DelayedRelocationExecutor(RelocationExecutor):
-    """The copy lands N engine steps after submit. Until then the destination slots hold
-    poison (NaN), so any attention that read them early would corrupt the output (I3 test)."""
+    """The copy lands N engine steps after submit (0: at once). Until then the destination
+    slots hold poison (NaN), so any attention that read them early would corrupt the output."""
 
     def __init__(self, kv_caches: torch.Tensor, delay_steps: int):
         super().__init__(kv_caches)
         self.delay_steps = delay_steps
         self.pending: List[_DelayedEvent] = []
+        self.landed = 0
 
     def submit(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
         self.launches += 1

@@ -1,0 +1,30 @@
+// vToken KV relocation: a torch-free C ABI (the torch binding lives in relocate_binding.cpp).
+//
+// The KV cache of all layers, as bytes:
+//
+//   kv  [num_layers][num_slots][row_bytes]      row = K and V of one slot: 2 * kv_heads * head_dim
+//        ^ layer_stride_bytes apart              elements, contiguous (the fork's cache layout)
+//
+// For every move i and every layer l:  kv[l][dst[i]] = kv[l][src[i]]  (one launch for all).
+// A pure byte copy, so fp32, fp16 and bf16 caches all go through the same kernel; rows are
+// copied 16 bytes at a time when the base pointer, row size and layer stride allow it.
+// src and dst must be disjoint (the planner moves live tokens into dead slots only).
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// src, dst: device arrays of num_moves int64 slot indices.  stream: a cudaStream_t (0 = default).
+// Returns 0 (cudaSuccess) or the cudaError_t of the launch.  Asynchronous: nothing is waited on.
+int vtoken_relocate_kv(void* kv, int64_t num_layers, int64_t layer_stride_bytes,
+                       int64_t row_bytes, const int64_t* src, const int64_t* dst,
+                       int64_t num_moves, void* stream);
+
+// The access width (16, 8, 4, 2 or 1 bytes) the launcher picks for this layout.
+int vtoken_relocate_vector_bytes(const void* kv, int64_t layer_stride_bytes, int64_t row_bytes);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,159 @@
+"""Kernels against torch references on CPU: the Triton relocation and decode-attention kernels
+(under TRITON_INTERPRET=1), the dispatch rules of vllm/_custom_ops.py, and prefill dispatch."""
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():   # before any triton kernel module is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vllm import _custom_ops as ops  # noqa: E402
+from vllm.attention import triton_decode, triton_relocate  # noqa: E402
+from tests.kernel_refs import (decode_reference, moves, paged_scene,  # noqa: E402
+                               prefill_reference, rel_err)
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tensors need the interpreter; tests/gpu runs on CUDA")
+
+
+# ---- relocation ---------------------------------------------------------------------------------
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kvh,d", [(2, 8), (1, 3)])      # 3: rows not a multiple of 16 bytes
+def test_triton_relocation_is_exact(dtype, kvh, d):
+    kv = torch.randn(3, 64, 2, kvh, d).to(dtype)
+    kv[0, 5] = float("nan")                  # bits are copied, NaN payloads too
+    src, dst = moves(64, 12, seed=1)
+    ref = kv.clone()
+    ops.relocate_kv(ref, src, dst, backend="torch")
+    triton_relocate.relocate_kv(kv, src, dst)
+    assert torch.equal(kv.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_relocation_dispatch():
+    kv = torch.randn(2, 32, 2, 2, 4)
+    src, dst = moves(32, 5, seed=2)
+    expect = kv.clone()
+    expect[:, dst] = expect[:, src]
+    ops.relocate_kv(kv, src, dst)                                    # CPU default: torch
+    assert torch.equal(kv, expect)
+    ops.relocate_kv(kv, src[:0], dst[:0])                            # empty batch: no-op
+    assert ops._pick(None, False, ("cuda", "triton", "torch")) == "torch"
+    assert ops._pick("triton", False, ("cuda", "triton", "torch")) == "triton"
+    with pytest.raises(AssertionError):
+        ops._pick("cuda", False, ("triton", "torch"))
+
+
+# ---- decode attention ---------------------------------------------------------------------------
+@interpreted
+@pytest.mark.parametrize("h,kvh", [(4, 2), (8, 1), (2, 2)])      # GQA, MQA, MHA
+@pytest.mark.parametrize("pad", [-1, 0])                          # input buffers / current views
+def test_triton_decode_matches_reference(h, kvh, pad):
+    lens = [5, 37, 1, 20]
+    kv, slots, lens_t = paged_scene(lens, kvh, 16, seed=h + kvh + pad, pad=pad)
+    q = torch.randn(len(lens), h, 16, generator=torch.Generator().manual_seed(3))
+    ref_out, ref_mass = decode_reference(q, kv, slots, lens_t, 0.25)
+    mass = torch.zeros(slots.shape)
+    out = triton_decode.decode_attention(q, kv, slots, lens_t, 0.25, mass)
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(mass, ref_mass) < 1e-5
+    plain = triton_decode.decode_attention(q, kv, slots, lens_t, 0.25)    # online softmax pass
+    assert rel_err(plain, ref_out) < 1e-5
+
+
+@interpreted
+def test_decode_mass_accumulates_over_layers_and_odd_head_dim():
+    kv, slots, lens = paged_scene([9, 3], kvh=2, d=12, seed=5)
+    q = torch.randn(2, 4, 12, generator=torch.Generator().manual_seed(4))
+    mass = torch.zeros(slots.shape)
+    triton_decode.decode_attention(q, kv, slots, lens, 0.3, mass)
+    triton_decode.decode_attention(q, kv, slots, lens, 0.3, mass)        # a second "layer"
+    _, ref_mass = decode_reference(q, kv, slots, lens, 0.3)
+    assert rel_err(mass, 2 * ref_mass) < 1e-5
+    assert torch.allclose(mass.sum(1), torch.tensor([8.0, 8.0]))        # 4 heads x 2 layers
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
+def test_decode_dispatch_matches_the_cpu_backend(backend):
+    """ops.decode_attention (both paths) agrees with the attention backend's CPU decode."""
+    from vllm.attention.backend import AttentionMetadata, _decode
+    lens = [6, 17, 11]
+    kv, slots, lens_t = paged_scene(lens, kvh=2, d=16, seed=9, pad=0)
+    q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(8))
+    bias = torch.zeros(3, 1, 1, slots.shape[1])
+    bias.masked_fill_((torch.arange(slots.shape[1]) >= lens_t[:, None])[:, None, None], -torch.inf)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decodes=3,
+                             decode_slots=slots, decode_bias=bias, collect_stats=True,
+                             decode_mass=torch.zeros(slots.shape))
+    ref = _decode(q, kv, meta, 0.25)
+    mass = torch.zeros(slots.shape)
+    out = ops.decode_attention(q, kv, slots, lens_t, 0.25, mass, backend=backend)
+    assert rel_err(out, ref) < 1e-5 and rel_err(mass, meta.decode_mass) < 1e-5
+
+
+# ---- prefill attention --------------------------------------------------------------------------
+@pytest.mark.parametrize("lq,lk,explicit", [(7, 7, False), (3, 10, False), (5, 9, True)])
+def test_prefill_torch_path(lq, lk, explicit):
+    g = torch.Generator().manual_seed(lq + lk)
+    q, k, v = torch.randn(4, lq, 8, generator=g), torch.randn(2, lk, 8, generator=g), \
+        torch.randn(2, lk, 8, generator=g)
+    causal = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+    own = causal & ~causal.tril(lk - lq - 1)              # each query's own key: never masked
+    mask = causal & (torch.rand(lq, lk, generator=g) > 0.3) | own if explicit else causal
+    out = ops.prefill_attention(q, k, v, mask if explicit else None, 0.35)
+    assert rel_err(out, prefill_reference(q, k, v, mask, 0.35)) < 1e-5
+
+
+def _fake_xformers(monkeypatch):
+    """A torch stand-in for xformers.ops on the 5-d [B, M, G, H, K] layout (checks our layout)."""
+    class BottomRight:
+        pass
+
+    def mea(q, k, v, attn_bias=None, scale=None):
+        qh, kh, vh = (t.permute(0, 2, 3, 1, 4) for t in (q, k, v))     # [B, G, H, M, K]
+        s = qh @ kh.transpose(-1, -2) * scale
+        if isinstance(attn_bias, BottomRight):
+            lq, lk = s.shape[-2:]
+            s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), -torch.inf)
+        else:
+            s = s + attn_bias
+        return (torch.softmax(s, -1) @ vh).permute(0, 3, 1, 2, 4)
+    ops_mod = types.SimpleNamespace(memory_efficient_attention=mea)
+    bias_mod = types.SimpleNamespace(LowerTriangularFromBottomRightMask=BottomRight)
+    for name, mod in {"xformers": types.SimpleNamespace(ops=ops_mod), "xformers.ops": ops_mod,
+                      "xformers.ops.fmha": types.SimpleNamespace(attn_bias=bias_mod),
+                      "xformers.ops.fmha.attn_bias": bias_mod}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_prefill_xformers_layout(monkeypatch, explicit):
+    _fake_xformers(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(6, 5, 8, generator=g), torch.randn(2, 9, 8, generator=g), \
+        torch.randn(2, 9, 8, generator=g)
+    mask = torch.ones(5, 9, dtype=torch.bool).tril(4)
+    if explicit:
+        mask[:, 1] = False
+    out = ops.prefill_attention(q, k, v, mask if explicit else None, 0.3, backend="xformers")
+    assert rel_err(out, prefill_reference(q, k, v, mask, 0.3)) < 1e-5
+
+
+def test_cpu_prefill_never_imports_xformers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xformers", None)    # importing it would raise
+    q = torch.randn(2, 4, 8)
+    ops.prefill_attention(q, q[:1], q[:1], None, 0.3)
+
+
+def test_triton_kernels_compile_for_sm90():
+    """The interpreter is more permissive than the compiler: compile for Hopper, no GPU needed."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.kernel_refs import compile_kernels; print(compile_kernels(90))"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "relocate" in run.stdout and "decode_fp16_mass1" in run.stdout
