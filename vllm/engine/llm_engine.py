@@ -202,6 +202,8 @@ class LLMEngine:
         if sched.scheduled:
             collect = self.eviction is not None and self.eviction.needs_stats
             inp = self.runner.prepare_inputs(sched.scheduled, collect_stats=collect)
+            if self.reclaimer is not None:   # I3: attention waits on completed copies (stream wait)
+                self.reclaimer.executor.pre_attention()
             hidden = self.runner.execute(inp)
             self._record_prompt_logprobs(inp.rows, hidden)
             sample_rows = [r for r in inp.rows if r.completes]
@@ -312,7 +314,8 @@ class LLMEngine:
         filler = self.block_manager.hole_filler
         stats["hole_slots_reused"] = filler.slots_reused if filler else 0
         for key in ("relocation_events", "relocated_tokens", "bytes_moved", "blocks_reclaimed",
-                    "planner_time_s", "copy_time_s", "table_rewrite_time_s", "copy_launches"):
+                    "planner_time_s", "copy_time_s", "table_rewrite_time_s", "copy_launches",
+                    "copy_blocked_s"):
             stats[key] = reclaim.get(key, 0)
         return stats
 

@@ -107,8 +107,8 @@ class ReclamationBackend:
     def before_free(self, seq: Sequence) -> None:
         """A request leaving (finish, abort, preemption) waits for its copy, then drops the plan."""
         f = self.in_flight.pop(seq.seq_id, None)
-        if f is not None:
-            f.event.synchronize()
+        if f is not None:     # the blocks' next writer runs on the compute stream: order it after
+            f.event.wait()
 
     # ---- invariant I1 -------------------------------------------------------------------------
     def _payload(self, seq_id: str):
