@@ -1,0 +1,275 @@
+"""AsyncLLMEngine: one background thread steps the LLMEngine; each request gets an async stream.
+
+    event loop (server)                          engine thread
+    -------------------                          -------------
+    generate() --- add cmd ---> commands ----->  drain commands (add / abort / call)
+        ^                                        engine.step()
+        |                                        step stats -> listeners (metrics)
+    RequestStream.queue <-- call_soon_threadsafe -- RequestOutput per step
+
+Only the engine thread touches the LLMEngine, so the engine needs no locks. Commands are
+plain callables on a queue; a request's errors (bad prompt, failed step) travel through its
+own stream and are raised by `generate()`. A failing step aborts every request in flight
+(their engine state is suspect) and the loop goes on. Every request is added to the engine with stream=True, so the thread sees
+every new token (for TTFT / inter-token latency) and callers may stream or wait for the end.
+"""
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
+
+from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while this request was in flight; the request was aborted."""
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, for metrics (a plain value, built on the engine thread)."""
+    now: float
+    snapshot: Dict[str, float]
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: List[float] = field(default_factory=list)
+    itl: List[float] = field(default_factory=list)
+    finished: List[Tuple[float, str]] = field(default_factory=list)   # (e2e latency, reason)
+
+
+class RequestStream:
+    """Outputs of one request, handed from the engine thread to the event loop that asked."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        # engine-thread bookkeeping for latency metrics
+        self.arrival = time.monotonic()
+        self.last_token_time: Optional[float] = None
+        self.num_tokens = 0
+
+    def put(self, item) -> bool:
+        """Engine thread -> owner loop. False if that loop is gone (its client with it)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:
+            return False
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 1.0):
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: Dict[str, RequestStream] = {}       # engine thread only
+        self._listeners: List[Callable[[StepStats], None]] = []
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self.num_step_errors = 0
+        self.snapshot: Dict[str, float] = self._snapshot()
+
+    @classmethod
+    def from_engine_args(cls, args) -> "AsyncLLMEngine":
+        return cls(LLMEngine(args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.is_running:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def add_stat_listener(self, fn: Callable[[StepStats], None]) -> None:
+        """fn runs on the engine thread after every step; it must be quick and thread-safe."""
+        self._listeners.append(fn)
+
+    # ---- the API the server uses --------------------------------------------------------------
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yields the request's cumulative output after every step; the last one is finished.
+        Leaving early (break, cancellation, client disconnect) aborts the request."""
+        if not self.is_running:
+            raise RuntimeError("the engine loop is not running")
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self._submit(lambda: self._add(stream, prompt, params))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                stream.finished = item.finished
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe and non-blocking; unknown or finished ids are ignored."""
+        self._submit(lambda: self._abort(request_id))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between steps (e.g. check_accounting)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:   # delivered to the caller, never raised in the loop
+                fut.set_exception(e)
+        self._submit(run)
+        return fut
+
+    async def acall(self, fn: Callable[[LLMEngine], object]):
+        return await asyncio.wrap_future(self.call(fn))
+
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _submit(self, cmd: Callable[[], None]) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    def _add(self, stream: RequestStream, prompt: PromptType, params: SamplingParams) -> None:
+        rid = stream.request_id
+        try:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self.engine.add_request(rid, prompt, params, arrival_time=stream.arrival, stream=True)
+        except Exception as e:   # bad prompt or params: the caller gets it, the loop goes on
+            stream.put(e)
+            return
+        self._streams[rid] = stream
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                cmd()
+            except Exception:
+                logger.exception("engine command failed")
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._run_once()
+            except Exception as e:   # the step (or its bookkeeping) failed: fail its requests
+                logger.error("engine step failed; aborting %d requests", len(self._streams),
+                             exc_info=e)
+                self.num_step_errors += 1
+                self._fail_all(EngineStepError(f"engine step failed: {e!r}"))
+                time.sleep(0.01)
+        self._drain_commands()
+        self._fail_all(EngineStepError("the engine is shutting down"))
+
+    def _run_once(self) -> None:
+        self._wake.clear()
+        self._drain_commands()
+        if not self.engine.has_unfinished_requests():
+            self.snapshot = self._snapshot()
+            self._wake.wait(self.idle_wait_s)
+            return
+        self._dispatch(self.engine.step())
+
+    def _fail_all(self, error: Exception) -> None:
+        """Abort every request in flight and hand each caller the error."""
+        ids = list(self._streams)
+        try:
+            self.engine.abort_request(list(self.engine.requests))
+        except Exception:
+            logger.exception("abort after a failed step also failed")
+        for rid in ids:
+            self._streams.pop(rid).put(EngineStepError(str(error)))
+
+    def _dispatch(self, outputs: List[RequestOutput]) -> None:
+        stats = StepStats(now=time.monotonic(), snapshot={})
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:       # aborted after it was scheduled in this step
+                continue
+            self._account(stream, out, stats)
+            if out.finished:
+                del self._streams[out.request_id]
+            if not stream.put(out) and not out.finished:
+                self._abort(out.request_id)
+        stats.snapshot = self.snapshot = self._snapshot()
+        for fn in self._listeners:
+            try:
+                fn(stats)
+            except Exception:
+                logger.exception("stat listener failed")
+
+    @staticmethod
+    def _account(stream: RequestStream, out: RequestOutput, stats: StepStats) -> None:
+        n = sum(len(c.token_ids) for c in out.outputs)
+        new = n - stream.num_tokens
+        if new > 0:
+            if stream.last_token_time is None:
+                stats.prompt_tokens += len(out.prompt_token_ids)
+                stats.ttft.append(stats.now - stream.arrival)
+            else:
+                stats.itl.append(stats.now - stream.last_token_time)
+            stream.last_token_time = stats.now
+            stream.num_tokens = n
+            stats.generation_tokens += new
+        if out.finished:
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+            stats.finished.append((stats.now - stream.arrival, reason))
+
+    def _snapshot(self) -> Dict[str, float]:
+        e = self.engine
+        bm = e.block_manager
+        snap = dict(e.get_kv_stats())
+        tt = bm.token_table   # live tokens now (the monitor's figure is as of the last step)
+        live = sum(tt.num_live(s.seq_id) for s in e.scheduler.running if s.seq_id in tt)
+        used = bm.num_blocks - bm.num_free_blocks
+        snap.update(live_tokens=live,
+                    memory_utilization=live / (used * bm.block_size) if used else 0.0)
+        snap.update(num_requests_running=len(e.scheduler.running),
+                    num_requests_waiting=len(e.scheduler.waiting),
+                    num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
+                    num_preemptions=e.scheduler.num_preemptions,
+                    num_token_tables=len(bm.token_table))
+        return snap

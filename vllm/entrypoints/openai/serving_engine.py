@@ -1,0 +1,225 @@
+"""OpenAIServing: what completions and chat share (model check, limits, sampling params,
+running several prompts as one request, SSE framing, streaming text deltas)."""
+import asyncio
+import json
+import logging
+import math
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+from fastapi import Request
+
+from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from vllm.entrypoints.openai.errors import OpenAIError
+from vllm.entrypoints.openai.protocol import SamplingRequest
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+LOGPROB_FLOOR = -9999.0   # JSON has no -inf
+
+
+def finite_logprob(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def sse(payload) -> str:
+    body = payload if isinstance(payload, str) else json.dumps(payload, allow_nan=False)
+    return f"data: {body}\n\n"
+
+
+class TextDelta:
+    """What one streamed choice has sent so far.
+
+    Text that may still change is held back: a trailing U+FFFD (half of a multi-byte
+    character) and a tail that could grow into a stop string, which the engine would cut.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self.sent_chars = 0
+        self.sent_tokens = 0
+
+    def _stable_len(self, text: str) -> int:
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        end = len(text) - hold
+        while end > 0 and text[end - 1] == "\ufffd":
+            end -= 1
+        return end
+
+    def advance(self, out: CompletionOutput) -> Tuple[str, int, int]:
+        """-> (new text, first new token index, end token index)."""
+        end = len(out.text) if out.finish_reason is not None else self._stable_len(out.text)
+        delta = out.text[self.sent_chars:end] if end > self.sent_chars else ""
+        self.sent_chars = max(self.sent_chars, end)
+        start, self.sent_tokens = self.sent_tokens, len(out.token_ids)
+        return delta, start, self.sent_tokens
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, served_model_names: List[str]):
+        self.engine = engine
+        self.tokenizer = tokenizer     # the server's own copy: the engine thread uses the other
+        self.served_model_names = served_model_names
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.engine.model.config.vocab_size
+
+    # ---- validation ---------------------------------------------------------------------------
+    def model_name(self, requested: Optional[str]) -> str:
+        if requested is None:
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise OpenAIError(f"The model `{requested}` does not exist.", param="model",
+                              code="model_not_found")
+        return requested
+
+    @staticmethod
+    def check_supported(req: SamplingRequest) -> None:
+        unsupported = [("presence_penalty", req.presence_penalty not in (None, 0.0)),
+                       ("frequency_penalty", req.frequency_penalty not in (None, 0.0)),
+                       ("repetition_penalty", req.repetition_penalty not in (None, 1.0)),
+                       ("logit_bias", bool(req.logit_bias)),
+                       ("best_of", req.best_of not in (None, req.n))]
+        for name, bad in unsupported:
+            if bad:
+                raise OpenAIError(f"{name} is not supported by this server", param=name)
+
+    def check_token_ids(self, ids: List[int], param: str = "prompt") -> None:
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise OpenAIError(f"token ids must be in [0, {self.vocab_size})", param=param)
+
+    def max_tokens_for(self, prompt_len: int, max_tokens: Optional[int]) -> int:
+        """Upstream's context check: prompt + completion must fit in --max-model-len."""
+        limit = self.max_model_len
+        if prompt_len == 0:
+            raise OpenAIError("The prompt cannot be empty", param="prompt")
+        if prompt_len >= limit:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, "
+                              f"your request has {prompt_len} input tokens. Please reduce the "
+                              f"length of the input.", param="prompt",
+                              code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, "
+                              f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in "
+                              f"the input, {max_tokens} in the completion). Please reduce the "
+                              f"length of the input or completion.", param="max_tokens",
+                              code="context_length_exceeded")
+        return max_tokens
+
+    @staticmethod
+    def sampling_params(req: SamplingRequest, max_tokens: int,
+                        logprobs: Optional[int]) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens,
+                min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+    # ---- running requests -----------------------------------------------------------------------
+    async def generate_many(self, prompts: List[Dict], params: SamplingParams,
+                            request_id: str) -> AsyncIterator[Tuple[int, RequestOutput]]:
+        """Runs every prompt as its own engine request and yields (prompt index, output) as
+        they come. Closing the iterator (or a failure of one prompt) aborts all of them."""
+        if len(prompts) == 1:
+            async for out in self._guarded(self.engine.generate(prompts[0], params, request_id)):
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, prompt: Dict) -> None:
+            try:
+                async for out in self.engine.generate(prompt, params, f"{request_id}-{i}"):
+                    q.put_nowait((i, out))
+            except Exception as e:
+                q.put_nowait((i, e))
+            q.put_nowait((i, done))
+
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await q.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise self._as_openai_error(item)
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _guarded(self, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in gen:
+                yield out
+        except Exception as e:
+            raise self._as_openai_error(e) from None
+        finally:
+            await gen.aclose()
+
+    @staticmethod
+    def _as_openai_error(e: Exception) -> OpenAIError:
+        if isinstance(e, OpenAIError):
+            return e
+        if isinstance(e, ValueError):
+            return OpenAIError(str(e), param="prompt")
+        if isinstance(e, EngineStepError):
+            return OpenAIError(str(e), status=500)
+        logger.error("request failed", exc_info=e)
+        return OpenAIError(f"internal error: {e!r}", status=500)
+
+    async def collect(self, prompts: List[Dict], params: SamplingParams, request_id: str,
+                      raw_request: Optional[Request]) -> List[RequestOutput]:
+        """Final outputs in prompt order; the requests are aborted if the client goes away."""
+        finals: List[Optional[RequestOutput]] = [None] * len(prompts)
+
+        async def consume():
+            gen = self.generate_many(prompts, params, request_id)
+            try:
+                async for i, out in gen:
+                    if out.finished:
+                        finals[i] = out
+            finally:
+                await gen.aclose()
+
+        work = asyncio.ensure_future(consume())
+        watch = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.done() or work.cancelled():
+            raise OpenAIError("client disconnected", status=499)
+        work.result()
+        return finals
+
+    def stream_errors(self, e: Exception) -> str:
+        return sse(self._as_openai_error(e).body())
+
+
+async def _wait_for_disconnect(raw_request: Optional[Request]) -> None:
+    if raw_request is None:
+        await asyncio.Event().wait()
+        return
+    while True:   # the body was read already: the next message is the disconnect
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
