@@ -77,7 +77,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         headroom = HeadroomAdmission(self.kv_config).reserve()
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, headroom)
-        self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager.token_table)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager.token_table,
+                                  self.scheduler_config.max_num_batched_tokens,
+                                  self.scheduler_config.max_num_seqs, max_len)
         self.kv_monitor = KVMonitor(self.block_manager)
         self.sampler = Sampler()
         self.stop_checker = StopChecker(self.tokenizer, max_len)

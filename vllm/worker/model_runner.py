@@ -15,6 +15,7 @@ import torch
 from vllm.attention.backend import AttentionMetadata, PrefillSpan
 from vllm.core.token_table import TokenTable
 from vllm.sequence import Sequence
+from vllm.worker.input_buffers import InputBuffers
 from vllm.worker.translation_cache import TranslationCache
 
 
@@ -42,11 +43,14 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, token_table: TokenTable):
+    def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, token_table: TokenTable,
+                 max_tokens: int, max_seqs: int, max_model_len: int):
         self.model = model
         self.kv_caches = kv_caches
         self.token_table = token_table
         self.translation = TranslationCache(token_table)
+        # persistent inputs, rewritten in place every step (what CUDA graph replay needs)
+        self.buffers = InputBuffers(max_tokens, max_seqs, max_model_len, kv_caches.device)
 
     def prepare_inputs(self, scheduled: List[Tuple[Sequence, int]],
                        collect_stats: bool = False) -> ModelInput:
@@ -73,18 +77,17 @@ class ModelRunner:
             stats_row = i if is_decode else len(prefill_spans) - 1
             rows.append(StepRow(seq, n, start, view_ids, stats_row, is_decode))
             start += n
-        decode_slots, decode_bias = self._pad_views(views)
+        self.buffers.update(np.fromiter((t for r in ids for t in r), np.int64, start),
+                            np.concatenate(pos), np.concatenate(slots), views)
+        input_ids, positions, slot_mapping, view_slots, _ = self.buffers.step_inputs()
+        decode_slots, decode_bias = self._decode_views(view_slots)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots).astype(np.int64)),
-            num_decodes=len(decodes), decode_slots=decode_slots, decode_bias=decode_bias,
-            prefills=prefill_spans, collect_stats=collect_stats)
+            slot_mapping=slot_mapping, num_decodes=len(decodes), decode_slots=decode_slots,
+            decode_bias=decode_bias, prefills=prefill_spans, collect_stats=collect_stats)
         if collect_stats:
             meta.decode_mass = torch.zeros(decode_slots.shape, dtype=torch.float32)
             meta.prefill_colsum = [torch.zeros(len(p.kv_slots)) for p in prefill_spans]
-        return ModelInput(
-            input_ids=torch.from_numpy(np.fromiter((t for r in ids for t in r), np.int64, start)),
-            positions=torch.from_numpy(np.concatenate(pos).astype(np.int64)),
-            meta=meta, rows=rows)
+        return ModelInput(input_ids=input_ids, positions=positions, meta=meta, rows=rows)
 
     @staticmethod
     def _prefill_span(start: int, n: int, computed: int, view_ids: np.ndarray,
@@ -97,17 +100,12 @@ class ModelRunner:
         return PrefillSpan(start, start + n, torch.from_numpy(view_slots.astype(np.int64)), mask)
 
     @staticmethod
-    def _pad_views(views: List[np.ndarray]) -> Tuple[torch.Tensor, torch.Tensor]:
-        # views [[5, 9], [7]] -> slots [[5, 9], [7, 0]], bias [[0, 0], [0, -inf]]
-        lens = np.array([len(v) for v in views], dtype=np.int64)
-        width = int(lens.max()) if len(views) else 0
-        padded = np.zeros((len(views), width), dtype=np.int64)
-        valid = np.arange(width)[None, :] < lens[:, None]
-        if len(views):
-            padded[valid] = np.concatenate(views)
-        bias = torch.zeros(len(views), 1, 1, width)
-        bias.masked_fill_(torch.from_numpy(~valid)[:, None, None, :], float("-inf"))
-        return torch.from_numpy(padded), bias
+    def _decode_views(view_slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        # padded views [[5, 9], [7, -1]] -> gather slots [[5, 9], [7, 0]], bias [[0, 0], [0, -inf]]
+        pad = view_slots < 0
+        bias = torch.zeros(view_slots.shape[0], 1, 1, view_slots.shape[1])
+        bias.masked_fill_(pad[:, None, None, :], float("-inf"))
+        return view_slots.clamp(min=0), bias
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
