@@ -79,6 +79,7 @@ def main():
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--out", default=None, help="result name (default benchmark_capacity[_sim])")
     p.add_argument("--frag-thresholds", type=float, nargs="+", default=[0.25, 0.05],
                    help="vToken variants (0.25 is the engine default)")
     args = p.parse_args()
@@ -151,7 +152,7 @@ def main():
     ax.set_ylabel("max feasible concurrency")
     ax.set_title(f"Capacity frontier, H2O 0.5; {label}", fontsize=9)
     ax.legend(fontsize=7)
-    name = "benchmark_capacity_sim" if args.simulate else "benchmark_capacity"
+    name = args.out or ("benchmark_capacity_sim" if args.simulate else "benchmark_capacity")
     common.save(name, {"args": vars(args), "model": label, "rows": rows, "trials": trials,
                        "full_blocks": full_blocks, "ideal_blocks": ideal_blocks, "table": text},
                 fig)
