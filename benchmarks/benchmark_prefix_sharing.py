@@ -43,7 +43,11 @@ def instrument(llm, counters):
 
 def build(tok, n, degree, prefix_len, suffix_len, out_len, seed):
     rng = np.random.default_rng(seed)
-    corpus = tok.encode("\n\n".join(common._essays()), add_special_tokens=False)
+    try:
+        corpus = tok.encode("\n\n".join(common._essays()), add_special_tokens=False)
+    except FileNotFoundError as e:
+        print(f"{e}; using random token ids instead")
+        corpus = rng.integers(10, len(tok), 1 << 16).tolist()
     def cut(k):
         s = int(rng.integers(0, len(corpus) - k))
         return corpus[s:s + k]
