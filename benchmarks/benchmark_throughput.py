@@ -14,7 +14,10 @@ import common
 
 
 def prompts(tokenizer, n: int, length: int, seed: int):
-    pool = common.sharegpt(4 * n, tokenizer, 10 ** 6, 1, seed=seed, min_prompt=length)
+    try:
+        pool = common.sharegpt(4 * n, tokenizer, 10 ** 6, 1, seed=seed, min_prompt=length)
+    except FileNotFoundError:
+        pool = []
     return [p[:length] for p, _ in pool][:n] if len(pool) >= n else \
         [w[0][:length] for w in common.synthetic(n, 2 * length, 1, tokenizer.vocab_size, seed,
                                                   max_prompt=4 * length)]
