@@ -19,7 +19,7 @@ def prompts(tokenizer, n: int, length: int, seed: int):
     except FileNotFoundError:
         pool = []
     return [p[:length] for p, _ in pool][:n] if len(pool) >= n else \
-        [w[0][:length] for w in common.synthetic(n, 2 * length, 1, tokenizer.vocab_size, seed,
+        [w[0][:length] for w in common.synthetic(n, 2 * length, 1, tokenizer.vocab_size, seed, sigma=1e-9,
                                                   max_prompt=4 * length)]
 
 
