@@ -18,9 +18,9 @@ def prompts(tokenizer, n: int, length: int, seed: int):
         pool = common.sharegpt(4 * n, tokenizer, 10 ** 6, 1, seed=seed, min_prompt=length)
     except FileNotFoundError:
         pool = []
-    return [p[:length] for p, _ in pool][:n] if len(pool) >= n else \
-        [w[0][:length] for w in common.synthetic(n, 2 * length, 1, tokenizer.vocab_size, seed, sigma=1e-9,
-                                                  max_prompt=4 * length)]
+    if len(pool) < n:
+        pool = common.synthetic(n, length, 1, tokenizer.vocab_size, seed, sigma=1e-9)
+    return [p[:length] for p, _ in pool][:n]
 
 
 def hf_generate(model, batch, output_len: int) -> float:
