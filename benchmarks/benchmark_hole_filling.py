@@ -8,22 +8,8 @@ few or no copies. Same prompts, model, policy and ratio in every variant.
     python benchmarks/benchmark_hole_filling.py --model tiny # tiny random model, ~1 min
 """
 import common
-from vllm import LLM
 
 VARIANTS = (("none", "Naive-Evict"), ("vtoken", "vToken"), ("vtoken-fill", "vToken+fill"))
-
-
-def run(model, work, policy, reclamation, args):
-    llm = LLM(model, kv_eviction_policy=policy, kv_eviction_ratio=args.ratio,
-              kv_reclamation=reclamation, max_num_seqs=len(work), block_size=args.block_size,
-              seed=args.seed)
-    outs, _ = common.generate(llm, work)
-    kv = llm.get_kv_stats()
-    return {**common.block_summary(outs, args.block_size),
-            "memory_utilization": kv["mean_memory_utilization"],
-            "relocation_events": kv["relocation_events"], "bytes_moved": kv["bytes_moved"],
-            "hole_slots_reused": kv["hole_slots_reused"],
-            "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
 def main():
@@ -45,7 +31,7 @@ def main():
     for wl in args.workloads:
         work = common.workload(wl, n, tok, *caps[wl], args, fixed_output=wl == "longbench")
         for policy in args.policies:
-            res = {v: run(model, work, policy, v, args) for v, _ in VARIANTS}
+            res = {v: common.run_variant(model, work, policy, v, args) for v, _ in VARIANTS}
             identical = res["none"]["tokens"] == res["vtoken"]["tokens"] == \
                 res["vtoken-fill"]["tokens"]
             row = {"workload": wl, "policy": policy, "identical": identical}

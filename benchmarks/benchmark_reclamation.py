@@ -10,18 +10,6 @@ at finish. Memory utilization = live tokens / (used blocks * block size), averag
                                    # flat attention makes H2O/Scissorhands evict contiguous runs
 """
 import common
-from vllm import LLM
-
-
-def run(model, work, policy, reclamation, args):
-    llm = LLM(model, kv_eviction_policy=policy, kv_eviction_ratio=args.ratio,
-              kv_reclamation=reclamation, max_num_seqs=len(work), block_size=args.block_size,
-              seed=args.seed)
-    outs, secs = common.generate(llm, work)
-    kv = llm.get_kv_stats()
-    return {**common.block_summary(outs, args.block_size), "seconds": secs,
-            "memory_utilization": kv["mean_memory_utilization"],
-            "relocation_events": kv["relocation_events"], "relocated_tokens": kv["relocated_tokens"]}
 
 
 def main():
@@ -42,7 +30,7 @@ def main():
     for wl in args.workloads:
         work = common.workload(wl, n, tok, *caps[wl], args, fixed_output=wl == "longbench")
         for policy in args.policies:
-            res = {v: run(model, work, policy, v, args) for v in ("none", "vtoken")}
+            res = {v: common.run_variant(model, work, policy, v, args) for v in ("none", "vtoken")}
             naive, vt = res["none"], res["vtoken"]
             rows.append({
                 "workload": wl, "policy": policy,
@@ -53,7 +41,8 @@ def main():
                 "naive_util": naive["memory_utilization"], "vtoken_util": vt["memory_utilization"],
                 "util_gain_pp": 100 * (vt["memory_utilization"] - naive["memory_utilization"]),
                 "naive_peak": naive["peak_blocks"], "vtoken_peak": vt["peak_blocks"],
-                "relocations": vt["relocation_events"], "detail": res})
+                "relocations": vt["relocation_events"],
+                "detail": {v: {k: x for k, x in r.items() if k != "tokens"} for v, r in res.items()}})
     cols = ["workload", "policy", "naive_blocks", "vtoken_blocks", "block_reduction_%",
             "naive_final", "vtoken_final", "ideal_final", "naive_util", "vtoken_util",
             "util_gain_pp"]

@@ -209,6 +209,21 @@ def generate(llm, work: Workload, seed: int = 0):
     return outs, time.perf_counter() - t0
 
 
+def run_variant(model, work: Workload, policy: str, reclamation: str, args) -> Dict:
+    """One engine per (policy, --kv-reclamation) on the workload: footprint and KV statistics."""
+    from vllm import LLM
+    llm = LLM(model, kv_eviction_policy=policy, kv_eviction_ratio=args.ratio,
+              kv_reclamation=reclamation, max_num_seqs=len(work), block_size=args.block_size,
+              seed=args.seed)
+    outs, secs = generate(llm, work)
+    kv = llm.get_kv_stats()
+    return {**block_summary(outs, args.block_size), "seconds": secs,
+            "memory_utilization": kv["mean_memory_utilization"],
+            "relocation_events": kv["relocation_events"], "relocated_tokens": kv["relocated_tokens"],
+            "bytes_moved": kv["bytes_moved"], "hole_slots_reused": kv["hole_slots_reused"],
+            "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
 def block_summary(outs, block_size: int) -> Dict[str, float]:
     """Mean per-request footprint: blocks (mean over decode steps, peak, at finish) and ideal."""
     ks = [o.kv_stats for o in outs]
