@@ -2,6 +2,7 @@
 against the token table, block manager and reclamation backend; I1, I2, I4 and block accounting
 hold after every step."""
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -205,3 +206,17 @@ def test_hole_filling_skips_in_flight_and_shared_blocks():
     h.bm.pool.touch(shared)
     assert not set((h.bm.hole_filler.holes(seq) // BS).tolist()) & set(shared)
     h.bm.pool.release(shared)
+
+
+def test_evict_token_hides_one_token_and_keeps_occupancy_derived():
+    h = Harness(delay=0, frag=1.0)
+    h.add(8)                                           # blocks of 4: [0..3], [4..7]
+    seq = h.running[0]
+    tt = h.bm.token_table
+    tt.evict_token(seq.seq_id, 5)
+    assert tt.live_ids(seq.seq_id).tolist() == [0, 1, 2, 3, 4, 6, 7]
+    assert tt.num_live(seq.seq_id) == 7
+    assert tt.block_occupancy(seq.seq_id, seq.block_ids).tolist() == [4, 3]
+    with pytest.raises(AssertionError, match="already dead"):
+        tt.evict_token(seq.seq_id, 5)
+    h.check()

@@ -187,10 +187,6 @@ class TokenTable:
         e = self._entries[req_id]
         return e.slot[:e.length]
 
-    def is_live(self, req_id: str) -> np.ndarray:
-        e = self._entries[req_id]
-        return e.live[:e.length]
-
     def block_occupancy(self, req_id: str, block_ids: Iterable[int]) -> np.ndarray:
         """Live tokens per block, aligned with block_ids (tokens in other blocks are ignored)."""
         block_ids = np.asarray(list(block_ids), dtype=np.int64)

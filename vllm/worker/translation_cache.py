@@ -27,7 +27,6 @@ class TranslationCache:
         self.token_table = token_table
         self._views: Dict[str, _View] = {}
         self.rebuilds = 0
-        self.appends = 0
 
     def view(self, req_id: str) -> Tuple[np.ndarray, np.ndarray]:
         """(live logical ids, their slots), both in logical order."""
@@ -59,13 +58,9 @@ class TranslationCache:
         v.slots[v.n:v.n + new] = self.token_table.slots(req_id, v.length, length)
         v.n += new
         v.length = length
-        self.appends += 1
 
     def __len__(self) -> int:
         return len(self._views)
-
-    def drop(self, req_id: str) -> None:
-        self._views.pop(req_id, None)
 
     def retain(self, req_ids) -> None:
         """Forget views of requests no longer running (finished, aborted, preempted)."""

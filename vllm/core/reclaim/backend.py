@@ -64,13 +64,15 @@ class ReclamationBackend:
 
     def _plan(self, seq: Sequence) -> Optional[RelocationPlan]:
         blocks = candidate_blocks(seq, self.bm, busy=set())
-        if not is_eligible(seq, self.bm, blocks, self.config.frag_threshold):
+        if len(blocks) < 2:
             return None
-        tt = self.bm.token_table
+        tt, bs = self.bm.token_table, self.bm.block_size
         ids, slots = tt.live_ids(seq.seq_id), tt.live_slots(seq.seq_id).astype(np.int64)
-        inside = np.isin(slots // self.bm.block_size, blocks)
+        inside = np.isin(slots // bs, blocks)
+        if not is_eligible(seq, len(blocks), int(inside.sum()), bs, self.config.frag_threshold):
+            return None
         snap = BlockSnapshot(seq.seq_id, tt.version(seq.seq_id), blocks, ids[inside],
-                             slots[inside], self.bm.block_size)
+                             slots[inside], bs)
         return plan(snap)
 
     def _submit(self, plans: List[RelocationPlan], seqs: Dict[str, Sequence]) -> None:

@@ -12,12 +12,11 @@ def candidate_blocks(seq: Sequence, bm: BlockManager, busy: set) -> np.ndarray:
                      if b != tail and b not in busy and not bm.is_shared(seq, b)], dtype=np.int64)
 
 
-def is_eligible(seq: Sequence, bm: BlockManager, blocks: np.ndarray, frag_threshold: float) -> bool:
-    """Dead share of the candidate blocks' slots passes --kv-frag-threshold and packing the live
-    tokens would free at least one block."""
-    if len(blocks) < 2 or seq.num_computed_tokens < seq.num_tokens - 1:   # mid-prefill
+def is_eligible(seq: Sequence, num_blocks: int, live: int, block_size: int,
+                frag_threshold: float) -> bool:
+    """`live` tokens in `num_blocks` candidate blocks: the dead share of their slots passes
+    --kv-frag-threshold and packing the live tokens would free at least one block."""
+    if num_blocks < 2 or seq.num_computed_tokens < seq.num_tokens - 1:   # mid-prefill
         return False
-    live = int(bm.token_table.block_occupancy(seq.seq_id, blocks).sum())
-    slots = len(blocks) * bm.block_size
-    dead_share = 1.0 - live / slots
-    return dead_share >= frag_threshold and -(-live // bm.block_size) < len(blocks)
+    dead_share = 1.0 - live / (num_blocks * block_size)
+    return dead_share >= frag_threshold and -(-live // block_size) < num_blocks
