@@ -93,7 +93,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
     g = h // kvh
     out = torch.empty_like(q)
     lmax = slots.shape[1]
-    part = torch.empty(b, kvh, lmax, dtype=torch.float32, device=q.device) if mass is not None \
+    # per-KV-head partial mass; zeros, because positions past a request's length are never written
+    part = torch.zeros(b, kvh, lmax, dtype=torch.float32, device=q.device) if mass is not None \
         else out   # unused placeholder pointer when no mass is wanted
     block_n = 16 if lmax <= 16 else 32
     _decode_kernel[(b, kvh)](
@@ -103,7 +104,5 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
         G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(d)), WANT_MASS=mass is not None)
     if mass is not None:
-        # positions past a request's length were never written: zero them before summing
-        valid = torch.arange(lmax, device=q.device)[None, :] < lens[:, None].to(q.device)
-        mass[:, :lmax] += (part.sum(1) * valid)
+        mass[:, :lmax] += part.sum(1)
     return out
