@@ -4,6 +4,7 @@ import torch
 
 from tests.conftest import hf_greedy, random_prompts
 from vllm import LLM, SamplingParams
+from vllm import _custom_ops as ops
 
 MAX_NEW = 24
 
@@ -42,8 +43,19 @@ def test_mixed_batch_matches_transformers(tiny_models, prompts, references, arch
     else:
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=1024,
                       max_model_len=1024)
-    got, _ = _generate(tiny_models[arch], prompts, **kwargs)
+    got, llm = _generate(tiny_models[arch], prompts, **kwargs)
     assert got == references[arch]
+    # the C decode kernels ran where they can be built (head_dim 16, float32)
+    assert (llm.llm_engine.model.layers[0].qkv.packed is not None) == ops.cpu_kernels_enabled()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_torch_fallback_matches_transformers(tiny_models, prompts, references, arch, monkeypatch):
+    """Without the C decode kernels (no compiler, or VLLM_KERNEL_BACKEND=torch): same tokens."""
+    monkeypatch.setattr(ops, "_FORCED", "torch")
+    llm_got, llm = _generate(tiny_models[arch], prompts, num_gpu_blocks_override=256)
+    assert all(layer.qkv.packed is None for layer in llm.llm_engine.model.layers)
+    assert llm_got == references[arch]
 
 
 def test_shared_prefix_hits_cache_and_matches(tiny_llama):

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():   # before any triton kernel module is importe
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from vllm import _custom_ops as ops  # noqa: E402
+from vllm import cpu_kernels  # noqa: E402
 from vllm.attention import triton_decode, triton_relocate  # noqa: E402
 from tests.kernel_refs import (decode_reference, moves, paged_scene,  # noqa: E402
                                prefill_reference, rel_err)
@@ -157,3 +158,35 @@ def test_triton_kernels_compile_for_sm90():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "relocate" in run.stdout and "decode_fp16_mass1" in run.stdout
+
+
+# ---- C decode kernels (vllm/cpu_kernels.py) -----------------------------------------------------
+cpu_built = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+
+
+@cpu_built
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 33])
+@pytest.mark.parametrize("k,n", [(5, 7), (64, 48), (96, 200)])       # n not a multiple of 16 too
+def test_packed_gemm_matches_torch(m, k, n):
+    g = torch.Generator().manual_seed(m * k + n)
+    x, w, bias = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g), \
+        torch.randn(n, generator=g)
+    packed = cpu_kernels.pack_weight(w)
+    assert rel_err(cpu_kernels.packed_gemm(x, packed, n), x.double() @ w.double()) < 1e-6
+    assert rel_err(cpu_kernels.packed_gemm(x, packed, n, bias),
+                   x.double() @ w.double() + bias.double()) < 1e-6
+
+
+@cpu_built
+@pytest.mark.parametrize("h,kvh,d", [(4, 2, 16), (8, 1, 64), (3, 3, 32), (9, 3, 128)])
+def test_cpu_decode_matches_reference(h, kvh, d):
+    lens = [5, 37, 1, 20, 0]                             # ragged, one row of padding only
+    kv, slots, lens_t = paged_scene(lens, kvh, d, seed=h + d, pad=-1)
+    q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(3))
+    ref_out, ref_mass = decode_reference(q, kv, slots, lens_t, 0.25)
+    mass = torch.ones(slots.shape)                       # accumulated into, like over layers
+    out = ops.decode_attention(q, kv, slots, lens_t, 0.25, mass, backend="cpu")
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(mass - 1, ref_mass) < 1e-5
+    assert torch.equal(out[4], torch.zeros(h, d))        # no keys: zeros, never NaN
+    assert ops.decode_backend(q) == "cpu" and ops.decode_backend(q[..., :12]) == "torch"

@@ -2,10 +2,13 @@
 
     op                 CUDA tensors (auto)                          CPU tensors (auto)
     relocate_kv        vllm._C op if built, else Triton, else torch  torch index_copy_
-    decode_attention   Triton                                        torch gather + softmax
+    decode_attention   Triton                                        C kernel (float32, head_dim a
+                                                                    multiple of 16, when built:
+                                                                    vllm/cpu_kernels.py), else
+                                                                    torch gather + softmax
     prefill_attention  xformers if installed, else torch SDPA        torch SDPA (no xformers)
 
-`backend=` (per call) or the VLLM_KERNEL_BACKEND environment variable ("cuda", "triton",
+`backend=` (per call) or the VLLM_KERNEL_BACKEND environment variable ("cuda", "triton", "cpu",
 "torch") forces a path where that op has it. Triton on CPU needs TRITON_INTERPRET=1 set before
 triton is imported, so it is only ever used there when asked for (tests).
 """
@@ -28,6 +31,9 @@ def _available(backend: str) -> bool:
         except ImportError:
             return False
         return hasattr(torch.ops.vtoken, "relocate_kv")
+    if backend == "cpu":
+        from vllm import cpu_kernels
+        return cpu_kernels.available()
     if backend in ("triton", "xformers"):
         return importlib.util.find_spec(backend) is not None
     return backend == "torch"
@@ -68,7 +74,20 @@ def relocate_kv(kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
         kv_caches.index_copy_(1, dst, kv_caches.index_select(1, src.to(kv_caches.device)))
 
 
+# ---- CPU decode kernels (decode attention here, the packed GEMM in the model's Linear) ----------
+def cpu_kernels_enabled() -> bool:
+    return _FORCED in (None, "cpu") and _available("cpu")
+
+
 # ---- decode attention ---------------------------------------------------------------------------
+def decode_backend(q: torch.Tensor) -> str:
+    """The path decode_attention takes for q when no backend is named."""
+    if not q.is_cuda and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 \
+            and cpu_kernels_enabled():
+        return "cpu"
+    return _pick(None, q.is_cuda, ("triton", "torch"))
+
+
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                      lens: torch.Tensor, scale: float, mass: Optional[torch.Tensor] = None,
                      backend: Optional[str] = None) -> torch.Tensor:
@@ -76,7 +95,11 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
 
     mass (float32 [B, Lmax]), if given, += each key's attention probability summed over heads.
     """
-    if _pick(backend, q.is_cuda, ("triton", "torch")) == "triton":
+    which = backend or decode_backend(q)
+    if which == "cpu":
+        from vllm import cpu_kernels
+        return cpu_kernels.decode_attention(q, kv_cache, slots, lens, scale, mass)
+    if _pick(which, q.is_cuda, ("triton", "torch")) == "triton":
         from vllm.attention.triton_decode import decode_attention as triton_decode
         return triton_decode(q, kv_cache, slots, lens, scale, mass)
     b, h, d = q.shape

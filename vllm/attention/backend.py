@@ -1,4 +1,4 @@
-"""Torch reference attention over the paged KV cache (the CPU path).
+"""Attention over the paged KV cache on CPU: the C decode kernel where it is built, torch otherwise.
 
 The KV cache of one layer is a flat array of slots:
 
@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from vllm import _custom_ops as ops
 
 QUERY_TILE = 256   # prefill queries per tile when column sums are collected
 
@@ -35,6 +37,8 @@ class AttentionMetadata:
     collect_stats: bool = False
     decode_mass: Optional[torch.Tensor] = None       # [B, Lmax] float32, summed over layers+heads
     prefill_colsum: List[torch.Tensor] = field(default_factory=list)  # per span, [Lk] float32
+    decode_views: Optional[torch.Tensor] = None      # [B, Lmax] the views, padding -1
+    decode_lens: Optional[torch.Tensor] = None       # [B] entries per view
 
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
@@ -59,6 +63,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
+    if meta.decode_lens is not None and ops.decode_backend(q) == "cpu":
+        mass = meta.decode_mass if meta.collect_stats else None
+        return ops.decode_attention(q, kv_cache, meta.decode_views, meta.decode_lens, scale,
+                                    mass, backend="cpu")
     b, h, d = q.shape
     width = meta.decode_slots.shape[1]
     # index_select on the flat view is ~2x faster than advanced indexing on CPU

@@ -79,11 +79,12 @@ class ModelRunner:
             start += n
         self.buffers.update(np.fromiter((t for r in ids for t in r), np.int64, start),
                             np.concatenate(pos), np.concatenate(slots), views)
-        input_ids, positions, slot_mapping, view_slots, _ = self.buffers.step_inputs()
+        input_ids, positions, slot_mapping, view_slots, view_lens = self.buffers.step_inputs()
         decode_slots, decode_bias = self._decode_views(view_slots)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, num_decodes=len(decodes), decode_slots=decode_slots,
-            decode_bias=decode_bias, prefills=prefill_spans, collect_stats=collect_stats)
+            decode_bias=decode_bias, prefills=prefill_spans, collect_stats=collect_stats,
+            decode_views=view_slots, decode_lens=view_lens)
         if collect_stats:
             meta.decode_mass = torch.zeros(decode_slots.shape, dtype=torch.float32)
             meta.prefill_colsum = [torch.zeros(len(p.kv_slots)) for p in prefill_spans]

@@ -1,0 +1,218 @@
+/* CPU decode kernels (float32, OpenMP), loaded with ctypes by vllm/cpu_kernels.py.
+
+   Decode steps multiply a few rows by every weight matrix, so they are bound by how fast the
+   weights stream from memory. MKL's sgemm reaches about 8 GB/s on these shapes on our 2-core
+   machine; packing each weight once into column panels, streaming each panel once for up to 16
+   rows, and prefetching 16 KB ahead into L2 reaches 14-20 GB/s (benchmarks/benchmark_throughput.py).
+
+   Plain C with GCC vector extensions: no torch headers, one translation unit, built with
+   -O3 -march=native so the same source becomes AVX-512, AVX2 or NEON code. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 16              /* output columns per packed panel: one 64-byte vector */
+#define ROWS 16               /* input rows per pass over a panel: 16 accumulators */
+#define PREFETCH_ROWS 256     /* how far ahead (in panel rows of 64 bytes) to prefetch into L2 */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, 64); }
+static inline v16 splat(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+static inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; i++) s += v[i];
+  return s;
+}
+
+/* ---- packed GEMM ------------------------------------------------------------------------------
+   Packed weight layout (built by vllm/cpu_kernels.py pack_weight): W [K, N] (y = x @ W) is
+   stored as panels[P][K][PANEL] with P = ceil(N / PANEL), columns past N zero. K = 2, N = 20:
+       panel 0 = W[0, 0:16], W[1, 0:16]          panel 1 = W[0, 16:20] 0 0 ..., W[1, 16:20] 0 ...
+   One panel row is one vector, so a pass reads the panel front to back exactly once per
+   ROWS input rows. */
+
+/* rows x[0:rows] (row stride K) times one panel -> y[0:rows, 0:cols] (row stride N);
+   `rows` is a compile-time constant at every call site, so acc[] lives in registers. */
+static inline __attribute__((always_inline)) void panel_pass(
+    const float *x, int64_t K, const float *panel, float *y, int64_t N,
+    int cols, const float *bias, const int rows) {
+  v16 acc[ROWS];
+  for (int m = 0; m < rows; m++) acc[m] = splat(0.f);
+  for (int64_t k = 0; k < K; k++) {
+    __builtin_prefetch(panel + (k + PREFETCH_ROWS) * PANEL, 0, 2);
+    v16 w = load16(panel + k * PANEL);
+    for (int m = 0; m < rows; m++) acc[m] += splat(x[m * K + k]) * w;
+  }
+  v16 b = splat(0.f);
+  if (bias) { float tmp[PANEL] = {0}; memcpy(tmp, bias, cols * sizeof(float)); b = load16(tmp); }
+  for (int m = 0; m < rows; m++) {
+    float out[PANEL];
+    store16(out, acc[m] + b);
+    memcpy(y + m * N, out, cols * sizeof(float));
+  }
+}
+
+#define PASS(r) case r: panel_pass(xm, K, panel, ym, N, cols, bias_p, r); break;
+
+/* y [M, N] = x [M, K] @ W (+ bias [N] if not NULL), W packed by vtok_pack_weight. */
+void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
+                      const float *bias, float *y) {
+  int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; p++) {
+    const float *panel = packed + p * K * PANEL;
+    int cols = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
+    const float *bias_p = bias ? bias + p * PANEL : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+      const float *xm = x + m0 * K;
+      float *ym = y + m0 * N + p * PANEL;
+      switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
+        PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
+        PASS(9) PASS(10) PASS(11) PASS(12) PASS(13) PASS(14) PASS(15) PASS(16)
+      }
+    }
+  }
+}
+
+/* ---- decode attention -------------------------------------------------------------------------
+   exp for softmax, 16 lanes: exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2 / 2, exp(r)
+   by a degree-7 Taylor polynomial (relative error ~1e-7 on that range); x < -87 (incl. -inf) -> 0. */
+static inline v16 as_float(i16 v) { v16 f; memcpy(&f, &v, 64); return f; }
+static inline i16 as_bits(v16 f) { i16 v; memcpy(&v, &f, 64); return v; }
+
+static inline v16 exp16(v16 x) {
+  const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
+  const float round_magic = 12582912.f;                    /* 1.5 * 2^23: adding it rounds */
+  i16 underflow = x < -87.f;                               /* lanes of all ones where true */
+  x = as_float((as_bits(x) & ~underflow) | (as_bits(splat(-87.f)) & underflow));
+  v16 n = (x * 1.4426950408889634f + round_magic) - round_magic;
+  v16 r = x - n * ln2_hi - n * ln2_lo;
+  v16 p = splat(1.f / 5040);
+  p = p * r + 1.f / 720; p = p * r + 1.f / 120; p = p * r + 1.f / 24; p = p * r + 1.f / 6;
+  p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+  v16 two_n = as_float((__builtin_convertvector(n, i16) + 127) << 23);
+  return as_float(as_bits(p * two_n) & ~underflow);
+}
+
+/* x[0..15] -> one vector whose lane i is the sum of x[i]'s 16 lanes, in four halving levels:
+   keys 0, 1 -> [x0 lanes 0-7 + 8-15 | x1 lanes 0-7 + 8-15] -> ... -> [sum x0, sum x1, ..., sum x15] */
+static inline v16 sum_each(v16 x[16]) {
+  const i16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i16 lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i16 lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i16 lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  for (int i = 0; i < 8; i++)
+    x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo8) +
+           __builtin_shuffle(x[2 * i], x[2 * i + 1], lo8 + 8);
+  for (int i = 0; i < 4; i++)
+    x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo4) +
+           __builtin_shuffle(x[2 * i], x[2 * i + 1], lo4 + 4);
+  for (int i = 0; i < 2; i++)
+    x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2) +
+           __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2 + 2);
+  return __builtin_shuffle(x[0], x[1], lo1) + __builtin_shuffle(x[0], x[1], lo1 + 1);
+}
+
+/* scores[j] = scale * q . key[j] for a block of 16 keys (D % 16 == 0); lanes past n unused */
+static inline void score_block(const float *q, const float *key[16], int n, int64_t D,
+                               float scale, float *scores) {
+  v16 part[16];
+  for (int j = 0; j < 16; j++) part[j] = splat(0.f);
+  for (int64_t d = 0; d < D; d += 16) {
+    v16 qd = load16(q + d);
+    for (int j = 0; j < 16; j++) part[j] += qd * load16(key[j] + d);
+  }
+  float out[16];
+  store16(out, sum_each(part) * scale);
+  memcpy(scores, out, n * sizeof(float));
+}
+
+/* In place: p[0:n] = softmax(p[0:n]); entries that are -inf become exactly 0; all -inf -> 0. */
+static void softmax(float *p, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; j++) m = p[j] > m ? p[j] : m;
+  if (m == -INFINITY) { memset(p, 0, n * sizeof(float)); return; }
+  v16 total = splat(0.f);
+  for (int64_t j = 0; j < n; j += 16) {
+    float chunk[16];
+    int64_t len = n - j < 16 ? n - j : 16;
+    for (int i = 0; i < 16; i++) chunk[i] = i < len ? p[j + i] - m : -INFINITY;
+    v16 e = exp16(load16(chunk));
+    total += e;
+    store16(chunk, e);
+    memcpy(p + j, chunk, len * sizeof(float));
+  }
+  float inv = 1.f / hsum(total);
+  for (int64_t j = 0; j < n; j++) p[j] *= inv;
+}
+
+/* One request b, one KV head kh: its G query heads against the request's n live keys.
+   Scores and probabilities go to probs[g * lmax + j]; D % 16 == 0. */
+static void attend_group(const float *q, const float *kv, const int64_t *slot_row, int64_t n,
+                         int64_t KVH, int64_t kh, int64_t G, int64_t D, float scale,
+                         float *probs, int64_t lmax, float *out) {
+  const int64_t row = 2 * KVH * D;                          /* floats per slot (K and V) */
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    int block = n - j0 < 16 ? (int)(n - j0) : 16;
+    const float *key[16];
+    for (int j = 0; j < 16; j++) {   /* padding and lanes past the block read slot 0: unused */
+      int64_t slot = j < block ? slot_row[j0 + j] : 0;
+      key[j] = kv + (slot < 0 ? 0 : slot) * row + kh * D;
+    }
+    for (int64_t g = 0; g < G; g++)
+      score_block(q + g * D, key, block, D, scale, probs + g * lmax + j0);
+  }
+  for (int64_t j = 0; j < n; j++)
+    if (slot_row[j] < 0)
+      for (int64_t g = 0; g < G; g++) probs[g * lmax + j] = -INFINITY;
+  for (int64_t g = 0; g < G; g++) softmax(probs + g * lmax, n);
+
+  /* out[g] = sum_j p[g][j] * v_j, for up to 4 heads x 64 dims at a time in 16 accumulators */
+  for (int64_t g0 = 0; g0 < G; g0 += 4)
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int heads = G - g0 < 4 ? (int)(G - g0) : 4;
+      const int vecs = D - d0 < 64 ? (int)(D - d0) / 16 : 4;
+      v16 acc[4][4];
+      for (int g = 0; g < 4; g++)
+        for (int v = 0; v < 4; v++) acc[g][v] = splat(0.f);
+      for (int64_t j = 0; j < n; j++) {
+        if (slot_row[j] < 0) continue;
+        const float *val = kv + slot_row[j] * row + (KVH + kh) * D + d0;
+        v16 vv[4];
+        for (int v = 0; v < 4; v++) vv[v] = v < vecs ? load16(val + 16 * v) : splat(0.f);
+        for (int g = 0; g < 4; g++) {
+          if (g >= heads) break;
+          v16 p = splat(probs[(g0 + g) * lmax + j]);
+          for (int v = 0; v < 4; v++) acc[g][v] += p * vv[v];
+        }
+      }
+      for (int g = 0; g < heads; g++)
+        for (int v = 0; v < vecs; v++) store16(out + (g0 + g) * D + d0 + 16 * v, acc[g][v]);
+    }
+}
+
+/* q [B, H, D] with D % 16 == 0; kv [S, 2, KVH, D], one layer (K = kv[slot, 0], V = kv[slot, 1]);
+   slots [B, ld_slots]: row b's first lens[b] entries are its attention view, negative = padding;
+   probs: scratch [B, KVH, H / KVH, lmax] with lmax >= every lens[b]; out [B, H, D];
+   mass [B, ld_mass] or NULL: += each key's attention probability summed over all H heads. */
+void vtok_decode_attention(const float *q, const float *kv, const int64_t *slots,
+                           int64_t ld_slots, const int64_t *lens, int64_t B, int64_t H,
+                           int64_t KVH, int64_t D, float scale, float *probs, int64_t lmax,
+                           float *out, float *mass, int64_t ld_mass) {
+  const int64_t G = H / KVH;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t kh = 0; kh < KVH; kh++)
+      attend_group(q + (b * H + kh * G) * D, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D,
+                   scale, probs + (b * KVH + kh) * G * lmax, lmax, out + (b * H + kh * G) * D);
+  if (!mass) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++) {        /* probs of (b, kh, g) = row b * H + h */
+      const float *p = probs + (b * H + h) * lmax;
+      for (int64_t j = 0; j < lens[b]; j++) mass[b * ld_mass + j] += p[j];
+    }
+}

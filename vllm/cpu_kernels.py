@@ -1,0 +1,124 @@
+"""The float32 CPU decode kernels of csrc/cpu/decode_kernels.c: packed GEMM and paged attention.
+
+Compiled on first use with the system C compiler (-O3 -march=native -fopenmp) into
+<cache root>/cpu_kernels/, keyed by the source's hash and the CPU model, and loaded with ctypes.
+The library links the same libgomp as torch, so both share one OpenMP pool and
+torch.set_num_threads() governs both. No compiler, no source (a non-editable install), or
+VLLM_CPU_KERNELS=0: `available()` is False and callers keep their torch path.
+"""
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "decode_kernels.c"
+PANEL = 16                    # must match PANEL in the C source
+MAX_GEMM_ROWS = 32            # above this, MKL's sgemm is as fast (prefill is compute-bound)
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("VLLM_CACHE_ROOT")
+    return Path(root).expanduser() if root else Path("~/.cache/vllm").expanduser()
+
+
+def _build() -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + _cpu_model().encode()).hexdigest()[:16]
+    lib = _cache_root() / "cpu_kernels" / f"decode_kernels-{key}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
+                        str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True)
+        tmp.replace(lib)            # atomic: concurrent builders never load a partial file
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> Optional[ctypes.CDLL]:
+    if os.environ.get("VLLM_CPU_KERNELS", "1") == "0" or not SOURCE.exists():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.info("CPU decode kernels unavailable (%s %s); using torch", e, detail[-500:])
+        return None
+    lib.vtok_packed_gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+    lib.vtok_packed_gemm.restype = None
+    lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                                          _f32, _ptr, _i64, _ptr, _ptr, _i64]
+    lib.vtok_decode_attention.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def pack_weight(wt: torch.Tensor) -> torch.Tensor:
+    """wt [K, N] float32 -> panels [ceil(N / 16), K, 16] (zero columns past N)."""
+    k, n = wt.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(k, panels * PANEL, dtype=torch.float32)
+    padded[:, :n] = wt
+    # [K, P * 16] -> [K, P, 16] -> [P, K, 16]: panel p holds columns 16p .. 16p + 15
+    return padded.view(k, panels, PANEL).permute(1, 0, 2).contiguous()
+
+
+def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] float32 @ the [K, n] weight that `packed` holds (+ bias [n]) -> [M, n]."""
+    x = x.contiguous()
+    m, k = x.shape
+    assert packed.shape[1] == k and x.dtype == torch.float32
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().vtok_packed_gemm(x.data_ptr(), m, k, packed.data_ptr(), n,
+                                None if bias is None else bias.data_ptr(), y.data_ptr())
+    return y
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                     lens: torch.Tensor, scale: float,
+                     mass: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, H, D], kv_cache [S, 2, KVH, D], slots int64 [B, >= Lmax] (the first lens[b] of row b
+    are its view; negative = padding) -> [B, H, D]. mass float32 [B, >= Lmax], if given,
+    += each key's attention probability summed over the H heads."""
+    b, h, d = q.shape
+    kvh = kv_cache.shape[2]
+    q = q.contiguous()
+    assert q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+    assert slots.dtype == torch.int64 and slots.stride(1) == 1
+    lens = lens.contiguous()
+    lmax = max(int(lens.max()) if b else 0, 1)
+    probs = torch.empty(b, h, lmax, dtype=torch.float32)
+    out = torch.empty(b, h, d, dtype=torch.float32)
+    if mass is not None:
+        assert mass.dtype == torch.float32 and mass.stride(1) == 1
+    _library().vtok_decode_attention(
+        q.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), slots.stride(0), lens.data_ptr(),
+        b, h, kvh, d, scale, probs.data_ptr(), lmax, out.data_ptr(),
+        None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0))
+    return out
