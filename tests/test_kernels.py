@@ -190,3 +190,16 @@ def test_cpu_decode_matches_reference(h, kvh, d):
     assert rel_err(mass - 1, ref_mass) < 1e-5
     assert torch.equal(out[4], torch.zeros(h, d))        # no keys: zeros, never NaN
     assert ops.decode_backend(q) == "cpu" and ops.decode_backend(q[..., :12]) == "torch"
+
+
+@cpu_built
+@pytest.mark.parametrize("m", [1, 16, 100])                 # 100: rows split across threads
+def test_cpu_rms_norm_and_silu_mul_match_torch(m):
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 48, generator=g) * 3, torch.randn(48, generator=g)
+    ref = torch.nn.functional.rms_norm(x.double(), (48,), w.double(), 1e-5)
+    assert rel_err(cpu_kernels.rms_norm(x, w, 1e-5), ref) < 1e-6
+    gate_up = torch.randn(m, 64, generator=g) * 8               # exp of large |x| both ways
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, -90.0, 90.0])  # past exp's float range
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    assert rel_err(cpu_kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up) < 1e-6

@@ -1,4 +1,5 @@
-"""The float32 CPU decode kernels of csrc/cpu/decode_kernels.c: packed GEMM and paged attention.
+"""The float32 CPU kernels of csrc/cpu/decode_kernels.c: packed GEMM, paged decode attention,
+RMSNorm and SiLU-and-multiply.
 
 Compiled on first use with the system C compiler (-O3 -march=native -fopenmp) into
 <cache root>/cpu_kernels/, keyed by the source's hash and the CPU model, and loaded with ctypes.
@@ -71,6 +72,8 @@ def _library() -> Optional[ctypes.CDLL]:
     lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                                           _f32, _ptr, _i64, _ptr, _ptr, _i64]
     lib.vtok_decode_attention.restype = None
+    lib.vtok_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
+    lib.vtok_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
     return lib
 
 
@@ -103,7 +106,7 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                      lens: torch.Tensor, scale: float,
                      mass: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """q [B, H, D], kv_cache [S, 2, KVH, D], slots int64 [B, >= Lmax] (the first lens[b] of row b
+    """q [B, H, D], kv_cache [S, 2, KVH, D], slots int64 [B, W] (the first lens[b] <= W of row b
     are its view; negative = padding) -> [B, H, D]. mass float32 [B, >= Lmax], if given,
     += each key's attention probability summed over the H heads."""
     b, h, d = q.shape
@@ -112,7 +115,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
     assert q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
     assert slots.dtype == torch.int64 and slots.stride(1) == 1
     lens = lens.contiguous()
-    lmax = max(int(lens.max()) if b else 0, 1)
+    lmax = max(slots.shape[1], 1)                   # every lens[b] <= the views' width
     probs = torch.empty(b, h, lmax, dtype=torch.float32)
     out = torch.empty(b, h, d, dtype=torch.float32)
     if mass is not None:
@@ -121,4 +124,22 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
         q.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), slots.stride(0), lens.data_ptr(),
         b, h, kvh, d, scale, probs.data_ptr(), lmax, out.data_ptr(),
         None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0))
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, N] float32, N % 16 == 0 -> x * rsqrt(mean(x^2) + eps) * weight."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _library().vtok_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps,
+                             out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] float32, I % 16 == 0 -> silu(gate) * up [M, I]."""
+    gate_up = gate_up.contiguous()
+    m, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, i, dtype=torch.float32)
+    _library().vtok_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
     return out

@@ -79,7 +79,8 @@ void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed,
 
 /* ---- decode attention -------------------------------------------------------------------------
    exp for softmax, 16 lanes: exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2 / 2, exp(r)
-   by a degree-7 Taylor polynomial (relative error ~1e-7 on that range); x < -87 (incl. -inf) -> 0. */
+   by a degree-7 Taylor polynomial (relative error ~1e-7 on that range); x < -87 (incl. -inf) -> 0,
+   x > 88 -> exp(88). */
 static inline v16 as_float(i16 v) { v16 f; memcpy(&f, &v, 64); return f; }
 static inline i16 as_bits(v16 f) { i16 v; memcpy(&v, &f, 64); return v; }
 
@@ -87,7 +88,9 @@ static inline v16 exp16(v16 x) {
   const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
   const float round_magic = 12582912.f;                    /* 1.5 * 2^23: adding it rounds */
   i16 underflow = x < -87.f;                               /* lanes of all ones where true */
+  i16 overflow = x > 88.f;                                 /* exp(88) ~ 1.7e38, still finite */
   x = as_float((as_bits(x) & ~underflow) | (as_bits(splat(-87.f)) & underflow));
+  x = as_float((as_bits(x) & ~overflow) | (as_bits(splat(88.f)) & overflow));
   v16 n = (x * 1.4426950408889634f + round_magic) - round_magic;
   v16 r = x - n * ln2_hi - n * ln2_lo;
   v16 p = splat(1.f / 5040);
@@ -215,4 +218,34 @@ void vtok_decode_attention(const float *q, const float *kv, const int64_t *slots
       const float *p = probs + (b * H + h) * lmax;
       for (int64_t j = 0; j < lens[b]; j++) mass[b * ld_mass + j] += p[j];
     }
+}
+
+/* ---- elementwise layers -----------------------------------------------------------------------
+   Small ops that torch runs as several passes with per-op overhead (its CPU rms_norm is seven
+   ops); rows are independent, so large inputs (prefill) split rows across threads. */
+
+/* out [M, N] = x * rsqrt(mean(x^2) + eps) * w; N % 16 == 0 */
+void vtok_rms_norm(const float *x, int64_t M, int64_t N, const float *w, float eps, float *out) {
+#pragma omp parallel for schedule(static) if (M > 64)
+  for (int64_t m = 0; m < M; m++) {
+    const float *row = x + m * N;
+    v16 ss = splat(0.f);
+    for (int64_t i = 0; i < N; i += 16) ss += load16(row + i) * load16(row + i);
+    v16 r = splat(1.f / sqrtf(hsum(ss) / (float)N + eps));
+    for (int64_t i = 0; i < N; i += 16)
+      store16(out + m * N + i, load16(row + i) * r * load16(w + i));
+  }
+}
+
+/* gate_up [M, 2I] = [gate | up] -> out [M, I] = silu(gate) * up = gate / (1 + exp(-gate)) * up;
+   I % 16 == 0 */
+void vtok_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
+#pragma omp parallel for schedule(static) if (M > 64)
+  for (int64_t m = 0; m < M; m++) {
+    const float *gate = gate_up + m * 2 * I, *up = gate + I;
+    for (int64_t i = 0; i < I; i += 16) {
+      v16 g = load16(gate + i);
+      store16(out + m * I + i, g / (1.f + exp16(-g)) * load16(up + i));
+    }
+  }
 }

@@ -33,9 +33,23 @@ class Linear(nn.Module):
         return torch.addmm(self.bias, x, self.wt)
 
 
+def _fused_cpu(x: torch.Tensor, width: int) -> bool:
+    return x.dtype == torch.float32 and not x.is_cuda and width % 16 == 0 \
+        and ops.cpu_kernels_enabled()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # one fused op; bitwise equal to x * rsqrt(mean(x^2) + eps) * weight in float32
+    if _fused_cpu(x, x.shape[-1]):
+        return cpu_kernels.rms_norm(x, weight, eps)
+    # one op on CUDA; bitwise equal to x * rsqrt(mean(x^2) + eps) * weight in float32
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _fused_cpu(gate_up, gate_up.shape[-1] // 2):
+        return cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def rope_parameters(config) -> Tuple[float, dict]:
@@ -118,8 +132,7 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
         x = x + self.o(attn.reshape(t, self.q_size))
         h = rms_norm(x, self.ln2, self.eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(torch.nn.functional.silu(gate) * up)
+        return x + self.down(silu_mul(self.gate_up(h)))
 
 
 class LlamaForCausalLM(nn.Module):
