@@ -203,3 +203,26 @@ def test_cpu_rms_norm_and_silu_mul_match_torch(m):
     gate_up[0, :4] = torch.tensor([-200.0, 200.0, -90.0, 90.0])  # past exp's float range
     gate, up = gate_up.double().chunk(2, dim=-1)
     assert rel_err(cpu_kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up) < 1e-6
+
+
+@cpu_built
+@pytest.mark.parametrize("t", [3, 100])                    # 100: tokens split across threads
+def test_cpu_rope_and_kv_write_match_torch(t):
+    from vllm.attention.backend import write_kv
+    from vllm.model_executor.models.llama import Rotary
+    h, kvh, d = 4, 2, 16
+    g = torch.Generator().manual_seed(t)
+    rotary = Rotary(d, 256, 10000.0, {"rope_type": "default"}, torch.float32)
+    positions = torch.randint(0, 256, (t,), generator=g)
+    cos, sin = rotary.cos[positions], rotary.sin[positions]
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g)
+    slots = torch.randperm(128, generator=g)[:t]
+    slots[1] = -1                                           # no write for this token
+    kv, kv_ref = torch.zeros(128, 2, kvh, d), torch.zeros(128, 2, kvh, d)
+    q = cpu_kernels.rope_write_kv(qkv, cos, sin, slots, kv, h)
+    qk = rotary(qkv[:, :(h + kvh) * d].view(t, -1, d), cos[:, None], sin[:, None])
+    v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
+    keep = slots >= 0
+    write_kv(kv_ref, slots[keep], qk[keep, h:], v[keep])
+    assert rel_err(q, qk[:, :h]) < 1e-6
+    assert rel_err(kv, kv_ref) < 1e-6 and torch.equal(kv[:, 1], kv_ref[:, 1])

@@ -1,5 +1,5 @@
 """The float32 CPU kernels of csrc/cpu/decode_kernels.c: packed GEMM, paged decode attention,
-RMSNorm and SiLU-and-multiply.
+RMSNorm, SiLU-and-multiply, and rotary embedding fused with the K/V cache write.
 
 Compiled on first use with the system C compiler (-O3 -march=native -fopenmp) into
 <cache root>/cpu_kernels/, keyed by the source's hash and the CPU model, and loaded with ctypes.
@@ -26,6 +26,15 @@ PANEL = 16                    # must match PANEL in the C source
 MAX_GEMM_ROWS = 32            # above this, MKL's sgemm is as fast (prefill is compute-bound)
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class LayerWeights(ctypes.Structure):
+    """vtok_layer: one decoder layer's shapes and weights (GEMMs packed). It holds raw pointers:
+    the tensors must stay alive and in place (the engine never moves its model)."""
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
+                *((name, _ptr) for name in ("ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2",
+                                            "gate_up", "down"))]
 
 
 def _cpu_model() -> str:
@@ -67,13 +76,20 @@ def _library() -> Optional[ctypes.CDLL]:
         detail = getattr(e, "stderr", b"") or b""
         logger.info("CPU decode kernels unavailable (%s %s); using torch", e, detail[-500:])
         return None
-    lib.vtok_packed_gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+    lib.vtok_packed_gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
     lib.vtok_packed_gemm.restype = None
     lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                                           _f32, _ptr, _i64, _ptr, _ptr, _i64]
     lib.vtok_decode_attention.restype = None
     lib.vtok_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     lib.vtok_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.vtok_rope_write_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
+                                       _ptr]
+    layer = ctypes.POINTER(LayerWeights)
+    lib.vtok_decode_layer_scratch.argtypes = [layer, _i64, _i64]
+    lib.vtok_decode_layer_scratch.restype = _i64
+    lib.vtok_decode_layer.argtypes = [layer, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
+                                      _i64, _ptr, _i64, _ptr]
     return lib
 
 
@@ -92,14 +108,20 @@ def pack_weight(wt: torch.Tensor) -> torch.Tensor:
 
 
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] float32 @ the [K, n] weight that `packed` holds (+ bias [n]) -> [M, n]."""
+                bias: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] float32 @ the [K, n] weight that `packed` holds (+ bias [n])
+    (+ residual [M, n]) -> [M, n]."""
     x = x.contiguous()
     m, k = x.shape
     assert packed.shape[1] == k and x.dtype == torch.float32
+    if residual is not None:
+        residual = residual.contiguous()
+        assert residual.shape == (m, n) and residual.dtype == torch.float32
     y = torch.empty(m, n, dtype=torch.float32)
     _library().vtok_packed_gemm(x.data_ptr(), m, k, packed.data_ptr(), n,
-                                None if bias is None else bias.data_ptr(), y.data_ptr())
+                                None if bias is None else bias.data_ptr(),
+                                None if residual is None else residual.data_ptr(), y.data_ptr())
     return y
 
 
@@ -143,3 +165,45 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, i, dtype=torch.float32)
     _library().vtok_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
     return out
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """qkv [T, (H + 2 KVH) D] -> rotated q [T, H, D]; rotated k and v written to kv_cache
+    [S, 2, KVH, D] at slot_mapping [T] (int64). cos, sin [T, D] at each token's position."""
+    t = qkv.shape[0]
+    kvh, d = kv_cache.shape[2], kv_cache.shape[3]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    assert qkv.shape[1] == (num_heads + 2 * kvh) * d and kv_cache.is_contiguous()
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    q = torch.empty(t, num_heads, d, dtype=torch.float32)
+    _library().vtok_rope_write_kv(qkv.data_ptr(), t, num_heads, kvh, d, cos.data_ptr(),
+                                  sin.data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(),
+                                  q.data_ptr())
+    return q
+
+
+def decode_layer(layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slot_mapping: torch.Tensor, kv_cache: torch.Tensor, views: torch.Tensor,
+                 lens: torch.Tensor, mass: Optional[torch.Tensor],
+                 scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One decoder layer for M decode tokens, in place on the residual stream x [M, hidden]
+    (contiguous float32): RMSNorm, QKV, rotary + K/V write at slot_mapping, attention over
+    views/lens (mass += probabilities, if given), O + residual, RMSNorm, SiLU MLP + residual.
+    `scratch` from decode_scratch() can be shared by every layer of a step."""
+    m, width = x.shape[0], max(views.shape[1], 1)
+    assert x.is_contiguous() and x.dtype == torch.float32 and views.stride(1) == 1
+    if scratch is None:
+        scratch = decode_scratch(layer, m, width)
+    _library().vtok_decode_layer(
+        ctypes.byref(layer), x.data_ptr(), m, cos.contiguous().data_ptr(),
+        sin.contiguous().data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(),
+        views.data_ptr(), views.stride(0), lens.contiguous().data_ptr(), width,
+        None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
+        scratch.data_ptr())
+    return x
+
+
+def decode_scratch(layer: LayerWeights, m: int, width: int) -> torch.Tensor:
+    return torch.empty(_library().vtok_decode_layer_scratch(ctypes.byref(layer), m, width),
+                       dtype=torch.float32)

@@ -38,7 +38,7 @@ static inline float hsum(v16 v) {
    `rows` is a compile-time constant at every call site, so acc[] lives in registers. */
 static inline __attribute__((always_inline)) void panel_pass(
     const float *x, int64_t K, const float *panel, float *y, int64_t N,
-    int cols, const float *bias, const int rows) {
+    int cols, const float *bias, const float *residual, const int rows) {
   v16 acc[ROWS];
   for (int m = 0; m < rows; m++) acc[m] = splat(0.f);
   for (int64_t k = 0; k < K; k++) {
@@ -49,17 +49,19 @@ static inline __attribute__((always_inline)) void panel_pass(
   v16 b = splat(0.f);
   if (bias) { float tmp[PANEL] = {0}; memcpy(tmp, bias, cols * sizeof(float)); b = load16(tmp); }
   for (int m = 0; m < rows; m++) {
-    float out[PANEL];
-    store16(out, acc[m] + b);
+    float out[PANEL], res[PANEL] = {0};
+    if (residual) memcpy(res, residual + m * N, cols * sizeof(float));
+    store16(out, acc[m] + b + load16(res));
     memcpy(y + m * N, out, cols * sizeof(float));
   }
 }
 
-#define PASS(r) case r: panel_pass(xm, K, panel, ym, N, cols, bias_p, r); break;
+#define PASS(r) case r: panel_pass(xm, K, panel, ym, N, cols, bias_p, res, r); break;
 
-/* y [M, N] = x [M, K] @ W (+ bias [N] if not NULL), W packed by vtok_pack_weight. */
+/* y [M, N] = x [M, K] @ W (+ bias [N]) (+ residual [M, N]), W packed; bias, residual may be NULL
+   and residual may be y itself. */
 void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
-                      const float *bias, float *y) {
+                      const float *bias, const float *residual, float *y) {
   int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; p++) {
@@ -69,6 +71,7 @@ void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed,
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
       const float *xm = x + m0 * K;
       float *ym = y + m0 * N + p * PANEL;
+      const float *res = residual ? residual + m0 * N + p * PANEL : NULL;
       switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
         PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
         PASS(9) PASS(10) PASS(11) PASS(12) PASS(13) PASS(14) PASS(15) PASS(16)
@@ -248,4 +251,70 @@ void vtok_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
       store16(out + m * I + i, g / (1.f + exp16(-g)) * load16(up + i));
     }
   }
+}
+
+/* Rotary embedding of this step's q and k, and the K/V cache write, in one pass:
+   qkv [T, (H + 2 KVH) D] rows = [q heads | k heads | v heads]; cos, sin [T, D] for each token's
+   position; x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]];
+   q_out [T, H, D]; kv [S, 2, KVH, D] gets rotated k and v at slot_mapping[t] (negative: none). */
+void vtok_rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                        const float *cos, const float *sin, const int64_t *slot_mapping,
+                        float *kv, float *q_out) {
+  const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+#pragma omp parallel for schedule(static) if (T > 64)
+  for (int64_t t = 0; t < T; t++) {
+    const float *row = qkv + t * width, *c = cos + t * D, *s = sin + t * D;
+    const int64_t slot = slot_mapping[t];
+    float *k_dst = slot >= 0 ? kv + slot * 2 * KVH * D : NULL;
+    for (int64_t h = 0; h < H + KVH; h++) {        /* q heads, then k heads */
+      const float *x = row + h * D;
+      float *dst = h < H ? q_out + (t * H + h) * D : k_dst ? k_dst + (h - H) * D : NULL;
+      if (!dst) continue;
+      for (int64_t i = 0; i < half; i++) {
+        float lo = x[i] * c[i] + (-x[i + half]) * s[i];
+        float hi = x[i + half] * c[i + half] + x[i] * s[i + half];
+        dst[i] = lo;
+        dst[i + half] = hi;
+      }
+    }
+    if (k_dst) memcpy(k_dst + KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+  }
+}
+
+/* ---- a whole decoder layer for a decode batch ---------------------------------------------------
+   The kernels above in sequence, with no interpreter between them: at batch 16 on our machine
+   the Python and torch glue around them cost about as much as the attention itself. */
+
+typedef struct {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate;
+  float eps, scale;
+  const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *down;   /* GEMMs packed */
+} vtok_layer;
+
+/* floats of scratch vtok_decode_layer needs for M rows and attention views of width lmax */
+int64_t vtok_decode_layer_scratch(const vtok_layer *L, int64_t M, int64_t lmax) {
+  const int64_t qkv = (L->heads + 2 * L->kv_heads) * L->head_dim, hd = L->heads * L->head_dim;
+  return M * (L->hidden + qkv + 2 * hd + 3 * L->intermediate + L->heads * lmax);
+}
+
+/* x [M, hidden] <- the layer applied to x (residual stream, in place); this step's K/V written
+   at slot_mapping; attention over views/lens as vtok_decode_attention (mass may be NULL). */
+void vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos,
+                       const float *sin, const int64_t *slot_mapping, float *kv,
+                       const int64_t *views, int64_t ld_views, const int64_t *lens, int64_t lmax,
+                       float *mass, int64_t ld_mass, float *scratch) {
+  const int64_t E = L->hidden, H = L->heads, KVH = L->kv_heads, D = L->head_dim;
+  const int64_t I = L->intermediate, QKV = (H + 2 * KVH) * D, HD = H * D;
+  float *h = scratch, *qkv = h + M * E, *q = qkv + M * QKV, *attn = q + M * HD;
+  float *gate_up = attn + M * HD, *act = gate_up + M * 2 * I, *probs = act + M * I;
+  vtok_rms_norm(x, M, E, L->ln1, L->eps, h);
+  vtok_packed_gemm(h, M, E, L->qkv, QKV, L->qkv_bias, NULL, qkv);
+  vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q);
+  vtok_decode_attention(q, kv, views, ld_views, lens, M, H, KVH, D, L->scale, probs, lmax, attn,
+                        mass, ld_mass);
+  vtok_packed_gemm(attn, M, HD, L->o, E, L->o_bias, x, x);
+  vtok_rms_norm(x, M, E, L->ln2, L->eps, h);
+  vtok_packed_gemm(h, M, E, L->gate_up, 2 * I, NULL, NULL, gate_up);
+  vtok_silu_mul(gate_up, M, I, act);
+  vtok_packed_gemm(act, M, I, L->down, E, NULL, x, x);
 }

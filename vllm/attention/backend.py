@@ -48,8 +48,11 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] for this step's tokens -> [T, H, D]."""
-    write_kv(kv_cache, meta.slot_mapping, k, v)
+    """q [T, H, D], k/v [T, KVH, D] for this step's tokens -> [T, H, D].
+
+    k = v = None: the caller has already written this step's K/V at meta.slot_mapping."""
+    if k is not None:
+        write_kv(kv_cache, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     b = meta.num_decodes
     if b:

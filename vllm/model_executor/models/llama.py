@@ -25,15 +25,16 @@ class Linear(nn.Module):
         if wt.dtype == torch.float32 and not wt.is_cuda and ops.cpu_kernels_enabled():
             self.packed = cpu_kernels.pack_weight(self.wt)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x @ W (+ bias) (+ residual)"""
         if self.packed is not None and 1 < x.shape[0] <= cpu_kernels.MAX_GEMM_ROWS:
-            return cpu_kernels.packed_gemm(x, self.packed, self.wt.shape[1], self.bias)
-        if self.bias is None:
-            return x @ self.wt
-        return torch.addmm(self.bias, x, self.wt)
+            return cpu_kernels.packed_gemm(x, self.packed, self.wt.shape[1], self.bias, residual)
+        y = x @ self.wt if self.bias is None else torch.addmm(self.bias, x, self.wt)
+        return y if residual is None else residual + y
 
 
-def _fused_cpu(x: torch.Tensor, width: int) -> bool:
+def _fused_cpu(x: torch.Tensor, width: int = 16) -> bool:
+    """Whether the C kernels take x (their vector loops need rows of a multiple of 16)."""
     return x.dtype == torch.float32 and not x.is_cuda and width % 16 == 0 \
         and ops.cpu_kernels_enabled()
 
@@ -120,19 +121,39 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        self.fused = self._fused_weights(gate_up.shape[1] // 2)
+
+    def _fused_weights(self, intermediate: int) -> Optional[cpu_kernels.LayerWeights]:
+        """The C decode layer's view of this layer, where every piece of it runs in C."""
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        if any(lin.packed is None for lin in linears) or \
+                any(n % 16 for n in (self.head_dim, self.ln1.numel(), intermediate)):
+            return None
+        ptr = lambda t: None if t is None else t.data_ptr()      # noqa: E731
+        return cpu_kernels.LayerWeights(
+            hidden=self.ln1.numel(), heads=self.num_heads, kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, intermediate=intermediate, eps=self.eps, scale=self.scale,
+            ln1=ptr(self.ln1), qkv=ptr(self.qkv.packed), qkv_bias=ptr(self.qkv.bias),
+            o=ptr(self.o.packed), o_bias=ptr(self.o.bias), ln2=ptr(self.ln2),
+            gate_up=ptr(self.gate_up.packed), down=ptr(self.down.packed))
 
     def forward(self, x, cos, sin, rotary, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
         h = rms_norm(x, self.ln1, self.eps)
         qkv = self.qkv(h)
-        # rotate q and k heads together: [T, H + KVH, D]
-        qk = rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        x = x + self.o(attn.reshape(t, self.q_size))
+        if _fused_cpu(qkv):
+            q = cpu_kernels.rope_write_kv(qkv, cos, sin, meta.slot_mapping, kv_cache,
+                                          self.num_heads)
+            attn = paged_attention(q, None, None, kv_cache, meta, self.scale)
+        else:   # rotate q and k heads together: [T, H + KVH, D]
+            qk = rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim),
+                        cos[:, None], sin[:, None])
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+            attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        x = self.o(attn.reshape(t, self.q_size), residual=x)
         h = rms_norm(x, self.ln2, self.eps)
-        return x + self.down(silu_mul(self.gate_up(h)))
+        return self.down(silu_mul(self.gate_up(h)), residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,10 +184,29 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed[input_ids]
-        cos = self.rotary.cos[positions].unsqueeze(1)
-        sin = self.rotary.sin[positions].unsqueeze(1)
+        cos = self.rotary.cos[positions]              # [T, D]
+        sin = self.rotary.sin[positions]
+        if self._all_in_c(meta, x.shape[0]):
+            return self._decode_in_c(x, cos, sin, kv_caches, meta)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.rotary, kv_caches[i], meta)
+        return rms_norm(x, self.norm, self.eps)
+
+    def _all_in_c(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """A decode-only step of up to MAX_GEMM_ROWS rows, on a model the C layer can run."""
+        return (self.layers[0].fused is not None and not meta.prefills
+                and meta.decode_lens is not None and meta.num_decodes == num_tokens
+                and 0 < num_tokens <= cpu_kernels.MAX_GEMM_ROWS
+                and ops.cpu_kernels_enabled())
+
+    def _decode_in_c(self, x, cos, sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        x = x.contiguous()
+        mass = meta.decode_mass if meta.collect_stats else None
+        scratch = cpu_kernels.decode_scratch(self.layers[0].fused, x.shape[0],
+                                             meta.decode_views.shape[1])
+        for i, layer in enumerate(self.layers):
+            cpu_kernels.decode_layer(layer.fused, x, cos, sin, meta.slot_mapping, kv_caches[i],
+                                     meta.decode_views, meta.decode_lens, mass, scratch)
         return rms_norm(x, self.norm, self.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
