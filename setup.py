@@ -1,7 +1,10 @@
 """pip install --no-build-isolation -e .   (builds the CUDA relocation op only with a CUDA torch)"""
 import os
+import shutil
+from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 
 def ext_modules():
@@ -17,7 +20,20 @@ def ext_modules():
     return [ext], {"build_ext": BuildExtension}
 
 
+class BuildPyWithCpuKernels(build_py):
+    """Ship csrc/cpu/*.c inside the package as vllm/_csrc/: vllm/cpu_kernels.py compiles them on
+    first use for the CPU it runs on (an editable install reads them from csrc/ directly)."""
+
+    def run(self):
+        super().run()
+        dst = Path(self.build_lib) / "vllm" / "_csrc"
+        dst.mkdir(parents=True, exist_ok=True)
+        for src in Path(__file__).parent.joinpath("csrc", "cpu").glob("*.c"):
+            shutil.copy(src, dst)
+
+
 exts, cmdclass = ext_modules()
+cmdclass = {**cmdclass, "build_py": BuildPyWithCpuKernels}
 setup(
     name="vllm",
     version="0.1.0",

@@ -4,8 +4,8 @@ RMSNorm, SiLU-and-multiply, and rotary embedding fused with the K/V cache write.
 Compiled on first use with the system C compiler (-O3 -march=native -fopenmp) into
 <cache root>/cpu_kernels/, keyed by the source's hash and the CPU model, and loaded with ctypes.
 The library links the same libgomp as torch, so both share one OpenMP pool and
-torch.set_num_threads() governs both. No compiler, no source (a non-editable install), or
-VLLM_CPU_KERNELS=0: `available()` is False and callers keep their torch path.
+torch.set_num_threads() governs both. No C compiler, or VLLM_CPU_KERNELS=0 (or
+VLLM_KERNEL_BACKEND=torch): `available()` is False and callers keep their torch path.
 """
 import ctypes
 import functools
@@ -21,7 +21,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "decode_kernels.c"
+# an installed wheel carries the source as vllm/_csrc/ (setup.py); a checkout has it in csrc/
+SOURCE = next((p for p in (Path(__file__).resolve().parent / "_csrc" / "decode_kernels.c",
+                           Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "decode_kernels.c")
+               if p.exists()), Path("csrc/cpu/decode_kernels.c"))
 PANEL = 16                    # must match PANEL in the C source
 MAX_GEMM_ROWS = 32            # above this, MKL's sgemm is as fast (prefill is compute-bound)
 
@@ -38,13 +41,12 @@ class LayerWeights(ctypes.Structure):
 
 
 def _cpu_model() -> str:
+    """The CPU's name and instruction-set flags: -march=native code is only valid on a match."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+        return "\n".join(l for l in lines if l.startswith(("model name", "flags", "Features")))
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
 
 
 def _cache_root() -> Path:
