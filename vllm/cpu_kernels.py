@@ -140,7 +140,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
     assert slots.dtype == torch.int64 and slots.stride(1) == 1
     lens = lens.contiguous()
     lmax = max(slots.shape[1], 1)                   # every lens[b] <= the views' width
-    probs = torch.empty(b, h, lmax, dtype=torch.float32)
+    probs = torch.empty(b, h, -(-lmax // 16) * 16, dtype=torch.float32)   # rows padded to 16
     out = torch.empty(b, h, d, dtype=torch.float32)
     if mass is not None:
         assert mass.dtype == torch.float32 and mass.stride(1) == 1

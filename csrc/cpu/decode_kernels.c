@@ -136,23 +136,53 @@ static inline void score_block(const float *q, const float *key[16], int n, int6
   memcpy(scores, out, n * sizeof(float));
 }
 
-/* In place: p[0:n] = softmax(p[0:n]); entries that are -inf become exactly 0; all -inf -> 0. */
+static inline v16 vmax(v16 a, v16 b) {
+  i16 a_wins = a > b;
+  return as_float((as_bits(a) & a_wins) | (as_bits(b) & ~a_wins));
+}
+
+static inline int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+/* In place: p[0:n] = softmax(p[0:n]); entries that are -inf become exactly 0; all -inf -> 0.
+   p has room for round16(n) floats: the tail is padded with -inf and processed as vectors. */
 static void softmax(float *p, int64_t n) {
+  const int64_t n16 = round16(n);
+  for (int64_t j = n; j < n16; j++) p[j] = -INFINITY;
+  v16 mv = splat(-INFINITY);
+  for (int64_t j = 0; j < n16; j += 16) mv = vmax(mv, load16(p + j));
   float m = -INFINITY;
-  for (int64_t j = 0; j < n; j++) m = p[j] > m ? p[j] : m;
+  for (int i = 0; i < 16; i++) m = mv[i] > m ? mv[i] : m;
   if (m == -INFINITY) { memset(p, 0, n * sizeof(float)); return; }
   v16 total = splat(0.f);
-  for (int64_t j = 0; j < n; j += 16) {
-    float chunk[16];
-    int64_t len = n - j < 16 ? n - j : 16;
-    for (int i = 0; i < 16; i++) chunk[i] = i < len ? p[j + i] - m : -INFINITY;
-    v16 e = exp16(load16(chunk));
+  for (int64_t j = 0; j < n16; j += 16) {
+    v16 e = exp16(load16(p + j) - m);
     total += e;
-    store16(chunk, e);
-    memcpy(p + j, chunk, len * sizeof(float));
+    store16(p + j, e);
   }
-  float inv = 1.f / hsum(total);
-  for (int64_t j = 0; j < n; j++) p[j] *= inv;
+  v16 inv = splat(1.f / hsum(total));
+  for (int64_t j = 0; j < n16; j += 16) store16(p + j, load16(p + j) * inv);
+}
+
+/* out[g][0:16 vecs] = sum_j p[g][j] * v_j[0:16 vecs] for g < heads (<= 4), vecs <= 4; where
+   heads and vecs are constants the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void weigh_values(
+    const float *kv, const int64_t *slot_row, int64_t n, int64_t row, int64_t offset,
+    const float *p, int64_t lmax, float *out, int64_t D, const int heads, const int vecs) {
+  v16 acc[4][4];
+  for (int g = 0; g < heads; g++)
+    for (int v = 0; v < vecs; v++) acc[g][v] = splat(0.f);
+  for (int64_t j = 0; j < n; j++) {
+    if (slot_row[j] < 0) continue;
+    const float *val = kv + slot_row[j] * row + offset;
+    v16 vv[4];
+    for (int v = 0; v < vecs; v++) vv[v] = load16(val + 16 * v);
+    for (int g = 0; g < heads; g++) {
+      v16 w = splat(p[g * lmax + j]);
+      for (int v = 0; v < vecs; v++) acc[g][v] += w * vv[v];
+    }
+  }
+  for (int g = 0; g < heads; g++)
+    for (int v = 0; v < vecs; v++) store16(out + g * D + 16 * v, acc[g][v]);
 }
 
 /* One request b, one KV head kh: its G query heads against the request's n live keys.
@@ -177,38 +207,36 @@ static void attend_group(const float *q, const float *kv, const int64_t *slot_ro
   for (int64_t g = 0; g < G; g++) softmax(probs + g * lmax, n);
 
   /* out[g] = sum_j p[g][j] * v_j, for up to 4 heads x 64 dims at a time in 16 accumulators */
+  const int64_t values = (KVH + kh) * D;                   /* offset of V in a slot's row */
   for (int64_t g0 = 0; g0 < G; g0 += 4)
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
       const int heads = G - g0 < 4 ? (int)(G - g0) : 4;
       const int vecs = D - d0 < 64 ? (int)(D - d0) / 16 : 4;
-      v16 acc[4][4];
-      for (int g = 0; g < 4; g++)
-        for (int v = 0; v < 4; v++) acc[g][v] = splat(0.f);
-      for (int64_t j = 0; j < n; j++) {
-        if (slot_row[j] < 0) continue;
-        const float *val = kv + slot_row[j] * row + (KVH + kh) * D + d0;
-        v16 vv[4];
-        for (int v = 0; v < 4; v++) vv[v] = v < vecs ? load16(val + 16 * v) : splat(0.f);
-        for (int g = 0; g < 4; g++) {
-          if (g >= heads) break;
-          v16 p = splat(probs[(g0 + g) * lmax + j]);
-          for (int v = 0; v < 4; v++) acc[g][v] += p * vv[v];
+      const float *p = probs + g0 * lmax;
+      float *o = out + g0 * D + d0;
+      if (vecs == 4) {
+        switch (heads) {
+          case 1: weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, 1, 4); break;
+          case 2: weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, 2, 4); break;
+          case 3: weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, 3, 4); break;
+          default: weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, 4, 4);
         }
+      } else {
+        weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, heads, vecs);
       }
-      for (int g = 0; g < heads; g++)
-        for (int v = 0; v < vecs; v++) store16(out + (g0 + g) * D + d0 + 16 * v, acc[g][v]);
     }
 }
 
 /* q [B, H, D] with D % 16 == 0; kv [S, 2, KVH, D], one layer (K = kv[slot, 0], V = kv[slot, 1]);
    slots [B, ld_slots]: row b's first lens[b] entries are its attention view, negative = padding;
-   probs: scratch [B, KVH, H / KVH, lmax] with lmax >= every lens[b]; out [B, H, D];
+   probs: scratch [B, H, round16(lmax)] with lmax >= every lens[b]; out [B, H, D];
    mass [B, ld_mass] or NULL: += each key's attention probability summed over all H heads. */
 void vtok_decode_attention(const float *q, const float *kv, const int64_t *slots,
                            int64_t ld_slots, const int64_t *lens, int64_t B, int64_t H,
                            int64_t KVH, int64_t D, float scale, float *probs, int64_t lmax,
                            float *out, float *mass, int64_t ld_mass) {
   const int64_t G = H / KVH;
+  lmax = round16(lmax);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; b++)
     for (int64_t kh = 0; kh < KVH; kh++)
@@ -294,7 +322,7 @@ typedef struct {
 /* floats of scratch vtok_decode_layer needs for M rows and attention views of width lmax */
 int64_t vtok_decode_layer_scratch(const vtok_layer *L, int64_t M, int64_t lmax) {
   const int64_t qkv = (L->heads + 2 * L->kv_heads) * L->head_dim, hd = L->heads * L->head_dim;
-  return M * (L->hidden + qkv + 2 * hd + 3 * L->intermediate + L->heads * lmax);
+  return M * (L->hidden + qkv + 2 * hd + 3 * L->intermediate + L->heads * round16(lmax));
 }
 
 /* x [M, hidden] <- the layer applied to x (residual stream, in place); this step's K/V written
