@@ -164,6 +164,14 @@ def test_triton_kernels_compile_for_sm90():
 cpu_built = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 
 
+def test_cpu_kernels_build_where_a_compiler_exists():
+    """A source that stops compiling would silently fall back to torch: fail loudly instead."""
+    import shutil
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
+    assert cpu_kernels.available() and ops.cpu_kernels_enabled()
+
+
 @cpu_built
 @pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 33])
 @pytest.mark.parametrize("k,n", [(5, 7), (64, 48), (96, 200)])       # n not a multiple of 16 too
