@@ -234,3 +234,14 @@ def test_cpu_rope_and_kv_write_match_torch(t):
     write_kv(kv_ref, slots[keep], qk[keep, h:], v[keep])
     assert rel_err(q, qk[:, :h]) < 1e-6
     assert rel_err(kv, kv_ref) < 1e-6 and torch.equal(kv[:, 1], kv_ref[:, 1])
+
+
+@cpu_built
+@pytest.mark.parametrize("m", [3, cpu_kernels.MAX_GEMM_ROWS + 1, 300])   # C GEMM / MKL on panels
+def test_linear_on_panels_any_rows(m):
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 40, generator=g), torch.randn(40, 70, generator=g)
+    bias, res = torch.randn(70, generator=g), torch.randn(m, 70, generator=g)
+    ref = x.double() @ w.double() + bias.double() + res.double()
+    got = cpu_kernels.linear(x, cpu_kernels.pack_weight(w), 70, bias, res)
+    assert got.shape == (m, 70) and rel_err(got, ref) < 1e-6

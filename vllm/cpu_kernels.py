@@ -26,7 +26,7 @@ SOURCE = next((p for p in (Path(__file__).resolve().parent / "_csrc" / "decode_k
                            Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "decode_kernels.c")
                if p.exists()), Path("csrc/cpu/decode_kernels.c"))
 PANEL = 16                    # must match PANEL in the C source
-MAX_GEMM_ROWS = 32            # above this, MKL's sgemm is as fast (prefill is compute-bound)
+MAX_GEMM_ROWS = 128           # the C GEMM's range; above it MKL is faster (compute-bound)
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -125,6 +125,20 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
                                 None if bias is None else bias.data_ptr(),
                                 None if residual is None else residual.data_ptr(), y.data_ptr())
     return y
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ W (+ bias) (+ residual) for any M, W held only as panels: the C GEMM up to
+    MAX_GEMM_ROWS rows, else one MKL einsum over the panels (its transient [K, N] copy is cheap
+    next to that many rows)."""
+    if x.shape[0] <= MAX_GEMM_ROWS:
+        return packed_gemm(x, packed, n, bias, residual)
+    # x [M, K] . panels [P, K, 16] -> [M, P, 16] -> [M, P * 16]; columns past n are padding
+    y = torch.einsum("mk,pkn->mpn", x, packed).reshape(x.shape[0], -1)[:, :n]
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else residual + y
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,

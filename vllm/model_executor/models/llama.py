@@ -2,8 +2,8 @@
 
 Weights are kept pre-transposed ([in, out], contiguous) because `x @ Wt` is up to 2x faster than
 `F.linear(x, W)` for decode-shaped GEMMs on CPU. Q/K/V and gate/up are fused into one GEMM each.
-In float32 on CPU each weight is also packed for the C decode GEMM (vllm/cpu_kernels.py), which
-streams weights about 2x faster than MKL for 2-32 rows; prefill keeps MKL.
+In float32 on CPU each weight is packed once for the C GEMM (vllm/cpu_kernels.py), which streams
+weights about 2x faster than MKL for decode-sized batches; prefill runs MKL on the same panels.
 """
 import math
 from typing import Dict, Iterable, Optional, Tuple
@@ -17,18 +17,22 @@ from vllm.attention.backend import AttentionMetadata, paged_attention
 
 
 class Linear(nn.Module):
+    """y = x @ W (+ bias) (+ residual). In float32 on CPU, W is kept only as the C GEMM's
+    16-column panels (cpu_kernels.linear); elsewhere as [in, out]."""
+
     def __init__(self, wt: torch.Tensor, bias: Optional[torch.Tensor] = None):
         super().__init__()
-        self.wt = nn.Parameter(wt.contiguous(), requires_grad=False)
+        self.out_features = wt.shape[1]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.packed = None
+        self.wt = self.packed = None
         if wt.dtype == torch.float32 and not wt.is_cuda and ops.cpu_kernels_enabled():
-            self.packed = cpu_kernels.pack_weight(self.wt)
+            self.packed = nn.Parameter(cpu_kernels.pack_weight(wt), requires_grad=False)
+        else:
+            self.wt = nn.Parameter(wt.contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x @ W (+ bias) (+ residual)"""
-        if self.packed is not None and 1 < x.shape[0] <= cpu_kernels.MAX_GEMM_ROWS:
-            return cpu_kernels.packed_gemm(x, self.packed, self.wt.shape[1], self.bias, residual)
+        if self.packed is not None:
+            return cpu_kernels.linear(x, self.packed, self.out_features, self.bias, residual)
         y = x @ self.wt if self.bias is None else torch.addmm(self.bias, x, self.wt)
         return y if residual is None else residual + y
 
