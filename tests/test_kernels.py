@@ -173,7 +173,7 @@ def test_cpu_kernels_build_where_a_compiler_exists():
 
 
 @cpu_built
-@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 33])
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 33, 100])   # > 16: pairs of panels
 @pytest.mark.parametrize("k,n", [(5, 7), (64, 48), (96, 200)])       # n not a multiple of 16 too
 def test_packed_gemm_matches_torch(m, k, n):
     g = torch.Generator().manual_seed(m * k + n)

@@ -34,47 +34,72 @@ static inline float hsum(v16 v) {
    One panel row is one vector, so a pass reads the panel front to back exactly once per
    ROWS input rows. */
 
-/* rows x[0:rows] (row stride K) times one panel -> y[0:rows, 0:cols] (row stride N);
-   `rows` is a compile-time constant at every call site, so acc[] lives in registers. */
+/* rows x[0:rows] (row stride K) times `width` (1 or 2) adjacent panels -> y[0:rows, 0:cols]
+   (row stride N); rows and width are compile-time constants at every call site, so acc[][]
+   lives in registers: 16 x 1 for one pass over the weights (decode: memory-bound), 12 x 2 for
+   more rows (each broadcast of x then feeds two FMAs: compute-bound). */
 static inline __attribute__((always_inline)) void panel_pass(
-    const float *x, int64_t K, const float *panel, float *y, int64_t N,
-    int cols, const float *bias, const float *residual, const int rows) {
-  v16 acc[ROWS];
-  for (int m = 0; m < rows; m++) acc[m] = splat(0.f);
+    const float *x, int64_t K, const float *panel, float *y, int64_t N, int cols,
+    const float *bias, const float *residual, const int rows, const int width) {
+  v16 acc[ROWS][2];
+  for (int m = 0; m < rows; m++)
+    for (int v = 0; v < width; v++) acc[m][v] = splat(0.f);
   for (int64_t k = 0; k < K; k++) {
-    __builtin_prefetch(panel + (k + PREFETCH_ROWS) * PANEL, 0, 2);
-    v16 w = load16(panel + k * PANEL);
-    for (int m = 0; m < rows; m++) acc[m] += splat(x[m * K + k]) * w;
+    v16 w[2];
+    for (int v = 0; v < width; v++) {
+      const float *pv = panel + v * K * PANEL;
+      __builtin_prefetch(pv + (k + PREFETCH_ROWS) * PANEL, 0, 2);
+      w[v] = load16(pv + k * PANEL);
+    }
+    for (int m = 0; m < rows; m++) {
+      v16 b = splat(x[m * K + k]);
+      for (int v = 0; v < width; v++) acc[m][v] += b * w[v];
+    }
   }
-  v16 b = splat(0.f);
-  if (bias) { float tmp[PANEL] = {0}; memcpy(tmp, bias, cols * sizeof(float)); b = load16(tmp); }
+  float tmp[2 * PANEL] = {0};
+  if (bias) memcpy(tmp, bias, cols * sizeof(float));
+  v16 b[2] = {load16(tmp), load16(tmp + PANEL)};
   for (int m = 0; m < rows; m++) {
-    float out[PANEL], res[PANEL] = {0};
+    float out[2 * PANEL], res[2 * PANEL] = {0};
     if (residual) memcpy(res, residual + m * N, cols * sizeof(float));
-    store16(out, acc[m] + b + load16(res));
+    for (int v = 0; v < width; v++)
+      store16(out + v * PANEL, acc[m][v] + b[v] + load16(res + v * PANEL));
     memcpy(y + m * N, out, cols * sizeof(float));
   }
 }
 
-#define PASS(r) case r: panel_pass(xm, K, panel, ym, N, cols, bias_p, res, r); break;
+#define PASS(r, w) case r: panel_pass(xm, K, panel, ym, N, cols, bias_p, res, r, w); break;
+#define PAIR_ROWS 12
 
 /* y [M, N] = x [M, K] @ W (+ bias [N]) (+ residual [M, N]), W packed; bias, residual may be NULL
-   and residual may be y itself. */
+   and residual may be y itself. Up to 16 rows: each thread streams its panels once. More rows:
+   pairs of panels, 12 rows at a time (the pair stays in L2 between those passes). */
 void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
                       const float *bias, const float *residual, float *y) {
-  int64_t panels = (N + PANEL - 1) / PANEL;
+  const int64_t panels = (N + PANEL - 1) / PANEL, step = M <= ROWS ? 1 : 2;
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; p++) {
+  for (int64_t p = 0; p < panels; p += step) {
     const float *panel = packed + p * K * PANEL;
-    int cols = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
+    const int width = p + step <= panels ? (int)step : 1;
+    const int cols = N - p * PANEL < width * PANEL ? (int)(N - p * PANEL) : width * PANEL;
     const float *bias_p = bias ? bias + p * PANEL : NULL;
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+    const int64_t tile = width == 2 ? PAIR_ROWS : ROWS;
+    for (int64_t m0 = 0; m0 < M; m0 += tile) {
       const float *xm = x + m0 * K;
       float *ym = y + m0 * N + p * PANEL;
       const float *res = residual ? residual + m0 * N + p * PANEL : NULL;
-      switch (M - m0 < ROWS ? (int)(M - m0) : ROWS) {
-        PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
-        PASS(9) PASS(10) PASS(11) PASS(12) PASS(13) PASS(14) PASS(15) PASS(16)
+      const int rows = M - m0 < tile ? (int)(M - m0) : (int)tile;
+      if (width == 1) {
+        switch (rows) {
+          PASS(1, 1) PASS(2, 1) PASS(3, 1) PASS(4, 1) PASS(5, 1) PASS(6, 1) PASS(7, 1)
+          PASS(8, 1) PASS(9, 1) PASS(10, 1) PASS(11, 1) PASS(12, 1) PASS(13, 1) PASS(14, 1)
+          PASS(15, 1) PASS(16, 1)
+        }
+      } else {
+        switch (rows) {
+          PASS(1, 2) PASS(2, 2) PASS(3, 2) PASS(4, 2) PASS(5, 2) PASS(6, 2) PASS(7, 2)
+          PASS(8, 2) PASS(9, 2) PASS(10, 2) PASS(11, 2) PASS(12, 2)
+        }
       }
     }
   }
