@@ -1,7 +1,7 @@
 """A sequence: one sample of one request, the unit the scheduler and block manager see."""
 import enum
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
@@ -38,7 +38,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_ids: List[int] = []
         self.num_cached_blocks = 0              # leading blocks registered in the prefix cache
-        self.num_shared_blocks = 0              # leading blocks that came from prefix-cache hits
+        self.shared_blocks: Set[int] = set()    # blocks taken from prefix-cache hits
         self.blocks_in_order = True             # block j holds tokens [j*bs, (j+1)*bs)
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
@@ -85,7 +85,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_ids = []
         self.num_cached_blocks = 0
-        self.num_shared_blocks = 0
+        self.shared_blocks = set()
         self.blocks_in_order = True
         self.num_preemptions += 1
         self.policy = None

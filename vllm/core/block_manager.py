@@ -6,6 +6,8 @@ table (`sync_new_tokens`), so the block manager never computes a slot itself.
 """
 from typing import List, Optional, Sequence as Seq
 
+import numpy as np
+
 from vllm.core.block_pool import BlockPool
 from vllm.core.token_table import TokenTable
 from vllm.sequence import Sequence
@@ -128,6 +130,13 @@ class BlockManager:
 
     def is_shared(self, seq: Sequence, block: int) -> bool:
         return self.pool.ref_cnt[block] > 1 or block in seq.shared_blocks
+
+    def shared_mask(self, seq: Sequence, blocks: np.ndarray) -> np.ndarray:
+        """is_shared for each of `blocks` (int64 array), in one pass."""
+        mask = self.pool.ref_cnt[blocks] > 1
+        if seq.shared_blocks:
+            mask |= np.isin(blocks, np.fromiter(seq.shared_blocks, np.int64))
+        return mask
 
     def _note_peak(self) -> None:
         self.peak_used = max(self.peak_used, self.pool.num_used)

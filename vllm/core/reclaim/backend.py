@@ -68,7 +68,10 @@ class ReclamationBackend:
             return None
         tt, bs = self.bm.token_table, self.bm.block_size
         ids, slots = tt.live_ids(seq.seq_id), tt.live_slots(seq.seq_id).astype(np.int64)
-        inside = np.isin(slots // bs, blocks)
+        # which live slots lie in a candidate block: a lookup table over block ids, not a sort
+        is_candidate = np.zeros(max(int(slots.max(initial=0)) // bs, int(blocks.max())) + 1, bool)
+        is_candidate[blocks] = True
+        inside = is_candidate[slots // bs]
         if not is_eligible(seq, len(blocks), int(inside.sum()), bs, self.config.frag_threshold):
             return None
         snap = BlockSnapshot(seq.seq_id, tt.version(seq.seq_id), blocks, ids[inside],

@@ -7,9 +7,11 @@ from vllm.sequence import Sequence
 
 def candidate_blocks(seq: Sequence, bm: BlockManager, busy: set) -> np.ndarray:
     """Blocks a plan may touch: private, not the tail (still filling), not in an in-flight plan."""
-    tail = bm.token_table.tail_block(seq.seq_id)
-    return np.array([b for b in seq.block_ids
-                     if b != tail and b not in busy and not bm.is_shared(seq, b)], dtype=np.int64)
+    blocks = np.asarray(seq.block_ids, dtype=np.int64)
+    keep = (blocks != bm.token_table.tail_block(seq.seq_id)) & ~bm.shared_mask(seq, blocks)
+    if busy:
+        keep &= ~np.isin(blocks, np.fromiter(busy, np.int64))
+    return blocks[keep]
 
 
 def is_eligible(seq: Sequence, num_blocks: int, live: int, block_size: int,

@@ -27,8 +27,8 @@ class HoleFiller:
         blocks = np.asarray(seq.block_ids, np.int64)
         pool = self.bm.pool
         busy = self.busy_blocks(seq.seq_id)
-        usable = np.array([not self.bm.is_shared(seq, b) and pool.block_hash[b] is None
-                           and b not in busy for b in seq.block_ids], dtype=bool)
+        usable = ~self.bm.shared_mask(seq, blocks) & np.array(
+            [pool.block_hash[b] is None and b not in busy for b in seq.block_ids], dtype=bool)
         # rank of each dead slot's block in the request's block list (-1: not its block)
         order = np.argsort(blocks)
         pos = np.searchsorted(blocks[order], dead // self.bm.block_size)
