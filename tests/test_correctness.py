@@ -50,10 +50,10 @@ def test_mixed_batch_matches_transformers(tiny_models, prompts, references, arch
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_torch_fallback_matches_transformers(tiny_models, prompts, references, arch, monkeypatch):
+def test_torch_fallback_matches_transformers(tiny_models, prompts, references, arch):
     """Without the C decode kernels (no compiler, or VLLM_KERNEL_BACKEND=torch): same tokens."""
-    monkeypatch.setattr(ops, "_FORCED", "torch")
-    llm_got, llm = _generate(tiny_models[arch], prompts, num_gpu_blocks_override=256)
+    with ops.forced_backend("torch"):
+        llm_got, llm = _generate(tiny_models[arch], prompts, num_gpu_blocks_override=256)
     assert all(layer.qkv.packed is None for layer in llm.llm_engine.model.layers)
     assert llm_got == references[arch]
 

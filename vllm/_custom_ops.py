@@ -12,6 +12,7 @@
 "torch") forces a path where that op has it. Triton on CPU needs TRITON_INTERPRET=1 set before
 triton is imported, so it is only ever used there when asked for (tests).
 """
+import contextlib
 import functools
 import importlib.util
 import os
@@ -21,6 +22,18 @@ import torch
 import torch.nn.functional as F
 
 _FORCED = os.environ.get("VLLM_KERNEL_BACKEND") or None
+
+
+@contextlib.contextmanager
+def forced_backend(backend: Optional[str]):
+    """As VLLM_KERNEL_BACKEND, for engines built and run inside the block (benchmarks, tests):
+    a model decides at construction whether it packs its weights for the C kernels."""
+    global _FORCED
+    saved, _FORCED = _FORCED, backend
+    try:
+        yield
+    finally:
+        _FORCED = saved
 
 
 @functools.lru_cache(maxsize=None)
