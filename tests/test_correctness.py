@@ -91,3 +91,25 @@ def test_prompt_logits_match_transformers(tiny_models):
         got = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
         want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         assert torch.allclose(torch.tensor(got), want, atol=1e-4), arch
+
+
+def test_repetition_penalty_matches_transformers(tiny_llama, prompts):
+    """Greedy with repetition_penalty (over prompt + output, as transformers applies it)."""
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    refs = []
+    with torch.no_grad():
+        for p in prompts[:4]:
+            g = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                            do_sample=False, repetition_penalty=1.3, pad_token_id=0)
+            refs.append(g[0, len(p):].tolist())
+    llm = LLM(tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                            repetition_penalty=1.3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    plain = llm.generate([{"prompt_token_ids": prompts[0]}],
+                         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+                         use_tqdm=False)
+    assert plain[0].outputs[0].token_ids != refs[0]          # the penalty changed something

@@ -385,3 +385,52 @@ def test_large_batch_shape_smoke():
             assert out.token_ids[i] == int(logits[i].argmax())
         if r.params.top_k == 50:
             assert out.token_ids[i] in set(logits[i].topk(50).indices.tolist())
+
+
+# --------------------------------------------------------------------------- #
+# logit bias and penalties
+# --------------------------------------------------------------------------- #
+def _penalized_reference(logits_row, tokens, num_generated, p: SamplingParams):
+    """One row, one token at a time: upstream vLLM's formulas written out plainly."""
+    x = logits_row.clone().double()
+    for tok, val in (p.logit_bias or {}).items():
+        x[tok] += val
+    generated = tokens[len(tokens) - num_generated:] if num_generated else []
+    for tok in set(tokens):
+        x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 else x[tok] * p.repetition_penalty
+    for tok in set(generated):
+        x[tok] -= p.frequency_penalty * generated.count(tok) + p.presence_penalty
+    return x
+
+
+def test_penalties_and_bias_match_the_formulas():
+    torch.manual_seed(3)
+    vocab = 12
+    logits = torch.randn(4, vocab)
+    setups = [  # (params, prompt + output tokens, how many of them are output)
+        (dict(repetition_penalty=1.5), [1, 2, 2, 7], 2),
+        (dict(frequency_penalty=0.7, presence_penalty=-0.4), [3, 5, 5, 5, 9], 4),
+        (dict(), [4, 4], 1),                                        # untouched row
+        (dict(logit_bias={0: 3.0, 11: -2.5}, repetition_penalty=0.8, presence_penalty=1.0),
+         [0, 6, 11], 1),
+    ]
+    rows = [SamplingRow(SamplingParams(temperature=0, logprobs=2, **kw), None, n_gen, None, toks)
+            for kw, toks, n_gen in setups]
+    out = Sampler()(logits, rows)
+    for i, (kw, toks, n_gen) in enumerate(setups):
+        ref = _penalized_reference(logits[i], toks, n_gen, SamplingParams(**kw))
+        assert out.token_ids[i] == int(ref.argmax())
+        # logprobs stay the model's (before bias and penalties), as upstream's raw logprobs
+        raw = torch.log_softmax(logits[i].double(), 0)
+        assert abs(out.logprobs[i][out.token_ids[i]].logprob - raw[out.token_ids[i]]) < 1e-5
+
+
+def test_logit_bias_forces_a_token_and_penalties_validate():
+    logits = torch.zeros(1, 8)
+    out = Sampler()(logits, [SamplingRow(SamplingParams(temperature=0, logit_bias={5: 100.0}),
+                                         None, 0, None, [1, 2])])
+    assert out.token_ids == [5]
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
+                dict(repetition_penalty=0.0), dict(logit_bias={-1: 1.0})):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)

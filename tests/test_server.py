@@ -197,6 +197,20 @@ def test_extra_sampling_fields(server, client, llm):
     assert out.usage.completion_tokens >= 5
 
 
+def test_penalties_and_logit_bias(server, client, llm):
+    base = dict(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    forced = client.completions.create(logit_bias={"7": 100}, extra_body={"ignore_eos": True},
+                                       **base)
+    assert llm.get_tokenizer().encode(forced.choices[0].text, add_special_tokens=False) == [7] * 12
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3)
+    ref = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    out = client.completions.create(frequency_penalty=0.5, presence_penalty=0.3,
+                                    extra_body={"repetition_penalty": 1.5, "ignore_eos": True},
+                                    **base)
+    assert out.choices[0].text == ref.text
+
+
 def test_echo(server, client):
     out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4,
                                     temperature=0, echo=True, extra_body={"ignore_eos": True})
@@ -228,8 +242,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "temperature": -1}, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "top_k": -7}, "top_k"),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "n": 0}, "n"),
-    ("/v1/completions", {"model": "tiny", "prompt": "w5", "presence_penalty": 1.0},
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "presence_penalty": 2.5},
      "presence_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "repetition_penalty": 0},
+     "repetition_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "logit_bias": {"99999": 1}},
+     "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "min_tokens": 9, "max_tokens": 2},
      "min_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "stop": [""]}, "stop"),

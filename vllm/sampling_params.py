@@ -1,6 +1,6 @@
 """SamplingParams with upstream vLLM's field names and validation."""
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 _GREEDY_EPS = 1e-5
 
@@ -12,6 +12,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1          # -1 or 0: disabled
     min_p: float = 0.0
+    presence_penalty: float = 0.0      # subtracted once from every token already generated
+    frequency_penalty: float = 0.0     # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0    # divides positive / multiplies negative logits of every
+                                       # token seen in the prompt or the output (HF / CTRL)
+    logit_bias: Optional[Dict[int, float]] = None   # added to those tokens' logits
     seed: Optional[int] = None
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
@@ -45,6 +50,14 @@ class SamplingParams:
             bad("top_k", f"must be -1 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}.")
+        if any(not isinstance(t, int) or t < 0 for t in (self.logit_bias or {})):
+            bad("logit_bias", "keys must be non-negative token ids.")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
@@ -62,3 +75,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias: the sampler needs this row's token history."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)

@@ -233,7 +233,8 @@ class LLMEngine:
         last = torch.tensor([r.start + r.num_new - 1 for r in rows])
         logits = self.model.compute_logits(hidden[last])
         out = self.sampler(logits, [SamplingRow(r.seq.params, r.seq.generator,
-                                                r.seq.num_output_tokens, r.seq.eos_token_id)
+                                                r.seq.num_output_tokens, r.seq.eos_token_id,
+                                                r.seq.token_ids)
                                     for r in rows])
         now = time.monotonic()
         for r, token, lps in zip(rows, out.token_ids, out.logprobs):

@@ -1,5 +1,6 @@
-"""Token sampler: min_tokens masking, raw logprobs, greedy / random sampling
-with temperature, top-k, top-p and min-p, and per-request seeded generators.
+"""Token sampler: min_tokens masking, raw logprobs, logit bias and repetition / presence /
+frequency penalties, greedy / random sampling with temperature, top-k, top-p and min-p, and
+per-request seeded generators.
 
 All per-row parameters are turned into tensors and applied as batched ops; the
 only per-row Python loop that touches tensors draws the random noise of
@@ -29,6 +30,7 @@ class SamplingRow:                        # one per logits row
     generator: Optional[torch.Generator]  # per-request seeded generator (None -> torch default RNG)
     num_generated: int                    # output tokens produced so far (for min_tokens)
     eos_token_id: Optional[int]
+    token_ids: Sequence[int] = ()         # prompt + output so far (read only for penalties)
 
 
 @dataclass
@@ -68,6 +70,47 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
         return logits
     logits = logits.clone()
     logits[_index(r_idx, logits.device), _index(t_idx, logits.device)] = _NEG_INF
+    return logits
+
+
+def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Logit bias, then upstream vLLM's penalties, for the rows that ask for them:
+
+        repetition  x / r where x > 0, x * r where x <= 0, on tokens seen in prompt or output
+        frequency   x - f * (count of the token in the output)
+        presence    x - p * (token occurs in the output)
+
+    Token counts for all such rows come from one bincount over (row, token) pairs.
+    Returns a new tensor when any row is adjusted; the input is not modified."""
+    idx = [i for i, r in enumerate(rows) if r.params.adjusts_logits]
+    if not idx:
+        return logits
+    n, vocab, dev = len(idx), logits.shape[1], logits.device
+    sub = logits[_index(idx, dev)]
+    bias_rows, bias_toks, bias_vals = [], [], []
+    for j, i in enumerate(idx):
+        for tok, val in (rows[i].params.logit_bias or {}).items():
+            if tok < vocab:
+                bias_rows.append(j), bias_toks.append(tok), bias_vals.append(val)
+    if bias_rows:
+        sub[_index(bias_rows, dev), _index(bias_toks, dev)] += torch.tensor(bias_vals, device=dev)
+
+    def counts(parts: List[torch.Tensor]) -> torch.Tensor:
+        # row j's tokens t -> flat bin j * vocab + t: [[5, 5], [2]] -> counts[0, 5] = 2, [1, 2] = 1
+        flat = torch.cat([j * vocab + t.clamp(0, vocab - 1) for j, t in enumerate(parts)])
+        return torch.bincount(flat, minlength=n * vocab).view(n, vocab).to(dev)
+    toks = [torch.as_tensor(list(rows[i].token_ids), dtype=torch.long) for i in idx]
+    generated = [t[len(t) - rows[i].num_generated:] for t, i in zip(toks, idx)]
+    params = [rows[i].params for i in idx]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
+    seen = counts(toks) > 0
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    out_counts = counts(generated).to(sub.dtype)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
+    sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
+    logits = logits.clone()
+    logits[_index(idx, dev)] = sub
     return logits
 
 
@@ -278,8 +321,9 @@ class Sampler:
             logits = logits.float()
         dev = logits.device
 
-        # (1) min_tokens
-        logits = _apply_min_tokens(logits, rows)
+        # (1) min_tokens; logprobs are taken here, before bias and penalties (upstream's raw)
+        raw = logits = _apply_min_tokens(logits, rows)
+        logits = _adjust_logits(logits, rows)
 
         greedy = [r.params.greedy for r in rows]
         want_lp = [r.params.logprobs is not None for r in rows]
@@ -314,10 +358,10 @@ class Sampler:
         lp_rows = [i for i in range(b) if want_lp[i]]
         if lp_rows:
             if len(lp_rows) == b:
-                lp_logits, lp_tok = logits, sampled
+                lp_logits, lp_tok = raw, sampled
             else:
                 lp_t = _index(lp_rows, dev)
-                lp_logits, lp_tok = logits[lp_t], sampled[lp_t]
+                lp_logits, lp_tok = raw[lp_t], sampled[lp_t]
             lps = torch.log_softmax(lp_logits, dim=1)
             dicts = _logprob_dicts(lps, lp_tok, [rows[i].params.logprobs for i in lp_rows])
             for i, d in zip(lp_rows, dicts):

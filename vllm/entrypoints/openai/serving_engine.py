@@ -80,14 +80,19 @@ class OpenAIServing:
 
     @staticmethod
     def check_supported(req: SamplingRequest) -> None:
-        unsupported = [("presence_penalty", req.presence_penalty not in (None, 0.0)),
-                       ("frequency_penalty", req.frequency_penalty not in (None, 0.0)),
-                       ("repetition_penalty", req.repetition_penalty not in (None, 1.0)),
-                       ("logit_bias", bool(req.logit_bias)),
-                       ("best_of", req.best_of not in (None, req.n))]
-        for name, bad in unsupported:
-            if bad:
-                raise OpenAIError(f"{name} is not supported by this server", param=name)
+        if req.best_of not in (None, req.n):
+            raise OpenAIError("best_of is not supported by this server", param="best_of")
+
+    def logit_bias(self, req: SamplingRequest) -> Optional[Dict[int, float]]:
+        """OpenAI's {"token id": bias}: ids must be in the vocabulary, biases clamp to [-100, 100]."""
+        if not req.logit_bias:
+            return None
+        try:
+            bias = {int(t): min(max(float(v), -100.0), 100.0) for t, v in req.logit_bias.items()}
+        except ValueError:
+            raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from None
+        self.check_token_ids(list(bias), param="logit_bias")
+        return bias
 
     def check_token_ids(self, ids: List[int], param: str = "prompt") -> None:
         if any(t < 0 or t >= self.vocab_size for t in ids):
@@ -113,15 +118,19 @@ class OpenAIServing:
                               code="context_length_exceeded")
         return max_tokens
 
-    @staticmethod
-    def sampling_params(req: SamplingRequest, max_tokens: int,
+    def sampling_params(self, req: SamplingRequest, max_tokens: int,
                         logprobs: Optional[int]) -> SamplingParams:
+        logit_bias = self.logit_bias(req)
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None else req.top_k,
                 min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=logit_bias,
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
