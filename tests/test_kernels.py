@@ -186,7 +186,8 @@ def test_packed_gemm_matches_torch(m, k, n):
 
 
 @cpu_built
-@pytest.mark.parametrize("h,kvh,d", [(4, 2, 16), (8, 1, 64), (3, 3, 32), (9, 3, 128)])
+@pytest.mark.parametrize("h,kvh,d", [(4, 2, 16), (8, 1, 64), (3, 3, 32), (9, 3, 128),
+                                     (14, 2, 64)])          # 7 query heads per KV head: 4 + 3
 def test_cpu_decode_matches_reference(h, kvh, d):
     lens = [5, 37, 1, 20, 0]                             # ragged, one row of padding only
     kv, slots, lens_t = paged_scene(lens, kvh, d, seed=h + d, pad=-1)
