@@ -75,6 +75,7 @@ def test_completion_greedy_matches_llm_generate(server, client, llm):
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == \
         [r.outputs[0].text for r in ref]
     assert out.usage.completion_tokens == 12 * len(PROMPTS)
+    assert out.usage.total_tokens == sum(map(len, ids)) + 12 * len(PROMPTS)
 
 
 def test_chat_greedy_matches_llm_chat(server, client, llm):
@@ -85,6 +86,7 @@ def test_chat_greedy_matches_llm_chat(server, client, llm):
     assert out.choices[0].message.content == ref.outputs[0].text
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert out.usage.completion_tokens == 10
+    assert out.usage.total_tokens == len(ref.prompt_token_ids) + 10
 
 
 # ---- streaming -------------------------------------------------------------------------------
@@ -95,6 +97,8 @@ def test_completion_stream_sse(server, client):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 9
+    usage = events[-1]["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 9 and usage["prompt_tokens"] > 0
     text = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     whole = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=9,

@@ -11,7 +11,7 @@ from vllm.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, Chat
                                               ChatLogprobToken, ChatMessage, ChatTopLogprob,
                                               UsageInfo, now_s, random_id)
 from vllm.entrypoints.openai.serving_engine import (OpenAIServing, TextDelta, finite_logprob,
-                                                    sse)
+                                                    sse, usage_chunk)
 from vllm.outputs import CompletionOutput
 
 
@@ -79,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
                    for c in final.outputs]
         n_out = sum(len(c.token_ids) for c in final.outputs)
         n_in = len(final.prompt_token_ids)
-        usage = UsageInfo(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+        usage = UsageInfo.of(n_in, n_out)
         resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return JSONResponse(resp.model_dump())
 
@@ -110,16 +110,13 @@ class OpenAIServingChat(OpenAIServing):
                     lp = self._logprobs(c, start, end, req.top_logprobs) if req.logprobs else None
                     chunk = self._chunk(request_id, model, c.index, {"content": text}, lp, c)
                     if opts and opts.continuous_usage_stats:
-                        chunk["usage"] = UsageInfo(prompt_tokens=n_in, completion_tokens=end,
-                                                   total_tokens=n_in + end).model_dump()
+                        chunk["usage"] = UsageInfo.of(n_in, end).model_dump()
                     yield sse(chunk)
                 if out.finished:
                     n_out = sum(len(c.token_ids) for c in out.outputs)
             if opts and opts.include_usage:
-                usage = UsageInfo(prompt_tokens=n_in, completion_tokens=n_out,
-                                  total_tokens=n_in + n_out)
-                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": now_s(),
-                           "model": model, "choices": [], "usage": usage.model_dump()})
+                yield usage_chunk(request_id, "chat.completion.chunk", model,
+                                  UsageInfo.of(n_in, n_out))
         except Exception as e:
             yield self.stream_errors(e)
         finally:

@@ -9,7 +9,7 @@ from vllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogpro
                                               CompletionRequest, CompletionResponse, UsageInfo,
                                               now_s, random_id)
 from vllm.entrypoints.openai.serving_engine import (OpenAIServing, TextDelta, finite_logprob,
-                                                    sse)
+                                                    sse, usage_chunk)
 from vllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ---- whole response ----------------------------------------------------------------------
     def _response(self, req, model, request_id, prompts, finals: List[RequestOutput]):
-        choices, usage = [], UsageInfo()
+        choices, n_in, n_out = [], 0, 0
         for i, final in enumerate(finals):
             prefix = (prompts[i]["prompt"] or "") if req.echo else ""
             for c in final.outputs:
@@ -59,10 +59,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs=self._logprobs(c, 0, len(c.token_ids), len(prefix))
                     if req.logprobs is not None else None,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                usage.completion_tokens += len(c.token_ids)
-            usage.prompt_tokens += len(final.prompt_token_ids)
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+                n_out += len(c.token_ids)
+            n_in += len(final.prompt_token_ids)
+        return CompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=UsageInfo.of(n_in, n_out))
 
     @staticmethod
     def _logprobs(c: CompletionOutput, start: int, end: int, offset: int) -> CompletionLogprobs:
@@ -82,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         n = req.n
         deltas = [TextDelta(params.stop) for _ in range(len(prompts) * n)]
         offsets = [0] * len(deltas)
-        usage = UsageInfo()
+        n_in = n_out = 0
         opts = req.stream_options
         gen = self.generate_many(prompts, params, request_id)
         try:
@@ -102,15 +102,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     offsets[k] += sum(len(t) for t in lp.tokens) if lp else 0
                     chunk = self._chunk(request_id, model, k, text, lp, c)
                     if opts and opts.continuous_usage_stats:
-                        chunk["usage"] = _usage(len(out.prompt_token_ids), end)
+                        chunk["usage"] = UsageInfo.of(len(out.prompt_token_ids), end).model_dump()
                     yield sse(chunk)
                 if out.finished:
-                    usage.prompt_tokens += len(out.prompt_token_ids)
-                    usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    n_in += len(out.prompt_token_ids)
+                    n_out += sum(len(c.token_ids) for c in out.outputs)
             if opts and opts.include_usage:
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                yield sse({"id": request_id, "object": "text_completion", "created": now_s(),
-                           "model": model, "choices": [], "usage": usage.model_dump()})
+                yield usage_chunk(request_id, "text_completion", model, UsageInfo.of(n_in, n_out))
         except Exception as e:
             yield self.stream_errors(e)
         finally:
@@ -125,8 +123,3 @@ class OpenAIServingCompletion(OpenAIServing):
                              "logprobs": lp.model_dump() if lp is not None else None,
                              "finish_reason": c.finish_reason if c else None,
                              "stop_reason": c.stop_reason if c else None}]}
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
 from vllm.entrypoints.openai.errors import OpenAIError
-from vllm.entrypoints.openai.protocol import SamplingRequest
+from vllm.entrypoints.openai.protocol import SamplingRequest, UsageInfo, now_s
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -26,6 +26,12 @@ def finite_logprob(x: float) -> float:
 def sse(payload) -> str:
     body = payload if isinstance(payload, str) else json.dumps(payload, allow_nan=False)
     return f"data: {body}\n\n"
+
+
+def usage_chunk(request_id: str, object_name: str, model: str, usage: UsageInfo) -> str:
+    """The closing chunk of a stream with stream_options.include_usage: no choices, the usage."""
+    return sse({"id": request_id, "object": object_name, "created": now_s(), "model": model,
+                "choices": [], "usage": usage.model_dump()})
 
 
 class TextDelta:
@@ -84,7 +90,8 @@ class OpenAIServing:
             raise OpenAIError("best_of is not supported by this server", param="best_of")
 
     def logit_bias(self, req: SamplingRequest) -> Optional[Dict[int, float]]:
-        """OpenAI's {"token id": bias}: ids must be in the vocabulary, biases clamp to [-100, 100]."""
+        """OpenAI's {"token id": bias}: ids must be in the vocabulary; biases clamp to
+        [-100, 100]."""
         if not req.logit_bias:
             return None
         try:
@@ -129,7 +136,8 @@ class OpenAIServing:
                 min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=(1.0 if req.repetition_penalty is None
+                                    else req.repetition_penalty),
                 logit_bias=logit_bias,
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs,
