@@ -13,13 +13,7 @@ import common
 
 
 def main():
-    p = common.base_parser(__doc__)
-    p.add_argument("--policies", nargs="+", default=list(common.POLICIES))
-    p.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"])
-    p.add_argument("--ratio", type=float, default=0.5)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-prompts", type=int, default=None)
-    args = p.parse_args()
+    args = common.reclamation_parser(__doc__, common.POLICIES).parse_args()
     common.setup(args)
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)

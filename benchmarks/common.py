@@ -44,6 +44,17 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def reclamation_parser(description: str, policies: Sequence[str]) -> argparse.ArgumentParser:
+    """base_parser plus the eviction workload of the reclamation-style scripts."""
+    p = base_parser(description)
+    p.add_argument("--policies", nargs="+", default=list(policies))
+    p.add_argument("--workloads", nargs="+", default=["sharegpt", "longbench"])
+    p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=None)
+    return p
+
+
 def setup(args) -> None:
     if args.threads is None:
         busy = os.getloadavg()[0] > 0.5 * os.cpu_count()
