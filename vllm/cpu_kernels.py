@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from vllm import envs
+
 logger = logging.getLogger(__name__)
 
 # an installed wheel carries the source as vllm/_csrc/ (setup.py); a checkout has it in csrc/
@@ -49,15 +51,10 @@ def _cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("VLLM_CACHE_ROOT")
-    return Path(root).expanduser() if root else Path("~/.cache/vllm").expanduser()
-
-
 def _build() -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + _cpu_model().encode()).hexdigest()[:16]
-    lib = _cache_root() / "cpu_kernels" / f"decode_kernels-{key}.so"
+    lib = envs.cache_root() / "cpu_kernels" / f"decode_kernels-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")

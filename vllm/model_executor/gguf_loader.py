@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from vllm import envs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -123,13 +125,6 @@ def find_default_model_gguf() -> str:
     )
 
 
-def _default_cache_root() -> Path:
-    root = os.environ.get("VLLM_CACHE_ROOT")
-    if root:
-        return Path(root).expanduser()
-    return Path("~/.cache/vllm").expanduser()
-
-
 def _cache_key(gguf_path: Path) -> str:
     stat = gguf_path.stat()
     raw = f"{stat.st_size}:{stat.st_mtime_ns}:v{_CONVERTER_VERSION}"
@@ -139,7 +134,7 @@ def _cache_key(gguf_path: Path) -> str:
 def converted_dir_for(gguf_path: str, cache_dir: Optional[str] = None) -> str:
     """Where ``convert_gguf`` puts (or has put) the conversion of ``gguf_path``."""
     path = Path(gguf_path).expanduser().resolve()
-    root = Path(cache_dir).expanduser() if cache_dir else _default_cache_root()
+    root = Path(cache_dir).expanduser() if cache_dir else envs.cache_root()
     return str((root / "gguf" / f"{path.stem}-{_cache_key(path)}").absolute())
 
 
