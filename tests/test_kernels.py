@@ -82,14 +82,13 @@ def test_decode_dispatch_matches_the_cpu_backend(backend):
     """ops.decode_attention (both paths) agrees with the attention backend's CPU decode."""
     from vllm.attention.backend import AttentionMetadata, _decode
     lens = [6, 17, 11]
-    kv, slots, lens_t = paged_scene(lens, kvh=2, d=16, seed=9, pad=0)
+    kv, slots, lens_t = paged_scene(lens, kvh=2, d=16, seed=9, pad=-1)
     q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(8))
-    bias = torch.zeros(3, 1, 1, slots.shape[1])
-    bias.masked_fill_((torch.arange(slots.shape[1]) >= lens_t[:, None])[:, None, None], -torch.inf)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decodes=3,
-                             decode_slots=slots, decode_bias=bias, collect_stats=True,
+                             decode_views=slots, decode_lens=lens_t, collect_stats=True,
                              decode_mass=torch.zeros(slots.shape))
-    ref = _decode(q, kv, meta, 0.25)
+    with ops.forced_backend("torch"):                 # the backend's torch gather + SDPA path
+        ref = _decode(q, kv, meta, 0.25)
     mass = torch.zeros(slots.shape)
     out = ops.decode_attention(q, kv, slots, lens_t, 0.25, mass, backend=backend)
     assert rel_err(out, ref) < 1e-5 and rel_err(mass, meta.decode_mass) < 1e-5

@@ -37,8 +37,8 @@ def test_statistics_are_shaped_and_normalised_like_the_backend():
     positions = torch.tensor([7, 2] + list(range(6, 10)))
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([21, 40, 50, 51, 52, 53]), num_decodes=2,
-        decode_slots=torch.tensor([[3, 9, 12, 20, 21], [30, 31, 40, 0, 0]]),
-        decode_bias=torch.tensor([0.0] * 5 + [0.0] * 3 + [float("-inf")] * 2).view(2, 1, 1, 5),
+        decode_views=torch.tensor([[3, 9, 12, 20, 21], [30, 31, 40, -1, -1]]),
+        decode_lens=torch.tensor([5, 3]),
         prefills=[PrefillSpan(2, 6, prefill_view, None)], collect_stats=True)
     meta.decode_mass = torch.zeros(2, 5)
     meta.prefill_colsum = [torch.zeros(10)]
@@ -58,9 +58,9 @@ def test_statistics_are_shaped_and_normalised_like_the_backend():
     dense = (w * mask) / (w * mask).sum(1, keepdim=True)
     assert torch.allclose(colsum.double(), dense.sum(0) * lh, rtol=1e-5)
     # the same span with an explicit mask (chunked prefill / evicted keys) gives the same sums
-    meta2 = AttentionMetadata(torch.tensor([50, 51, 52, 53]), 0, torch.zeros(0, 0, dtype=torch.long),
-                              torch.zeros(0, 1, 1, 0), [PrefillSpan(0, 4, prefill_view, mask)],
-                              collect_stats=True)
+    meta2 = AttentionMetadata(torch.tensor([50, 51, 52, 53]), 0,
+                              torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                              [PrefillSpan(0, 4, prefill_view, mask)], collect_stats=True)
     meta2.prefill_colsum = [torch.zeros(10)]
     model(torch.arange(5, 9), torch.arange(6, 10), cache, meta2)     # same tokens, same K/V
     assert torch.allclose(meta2.prefill_colsum[0], colsum, rtol=1e-5)

@@ -8,6 +8,7 @@ The KV cache of one layer is a flat array of slots:
 Attention never derives slots from positions: every request reads through its attention view,
 the live slots in logical order that the model runner built from the token table.
 """
+import functools
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -31,14 +32,24 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor           # [T] where each new token's K/V is written
     num_decodes: int                     # the first num_decodes tokens are single-token rows
-    decode_slots: torch.Tensor           # [B, Lmax] padded attention views (pad: slot 0)
-    decode_bias: torch.Tensor            # [B, 1, 1, Lmax] 0 for real keys, -inf for padding
+    decode_views: torch.Tensor           # [B, Lmax] int64 attention views, padding -1
+    decode_lens: torch.Tensor            # [B] entries per view row
     prefills: List[PrefillSpan] = field(default_factory=list)
     collect_stats: bool = False
     decode_mass: Optional[torch.Tensor] = None       # [B, Lmax] float32, summed over layers+heads
     prefill_colsum: List[torch.Tensor] = field(default_factory=list)  # per span, [Lk] float32
-    decode_views: Optional[torch.Tensor] = None      # [B, Lmax] the views, padding -1
-    decode_lens: Optional[torch.Tensor] = None       # [B] entries per view
+
+    # The torch path's form of the views, derived on first use (the C kernel reads the views):
+    # [[5, 9], [7, -1]] -> gather slots [[5, 9], [7, 0]], bias [[0, 0], [0, -inf]]
+    @functools.cached_property
+    def decode_slots(self) -> torch.Tensor:          # [B, Lmax], padding read as slot 0
+        return self.decode_views.clamp(min=0)
+
+    @functools.cached_property
+    def decode_bias(self) -> torch.Tensor:           # [B, 1, 1, Lmax] 0 real key, -inf padding
+        b, width = self.decode_views.shape
+        bias = torch.zeros(b, 1, 1, width, device=self.decode_views.device)
+        return bias.masked_fill_((self.decode_views < 0)[:, None, None, :], float("-inf"))
 
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
@@ -66,7 +77,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
-    if meta.decode_lens is not None and ops.decode_backend(q) == "cpu":
+    if ops.decode_backend(q) == "cpu":
         mass = meta.decode_mass if meta.collect_stats else None
         return ops.decode_attention(q, kv_cache, meta.decode_views, meta.decode_lens, scale,
                                     mass, backend="cpu")

@@ -80,13 +80,11 @@ class ModelRunner:
         self.buffers.update(np.fromiter((t for r in ids for t in r), np.int64, start),
                             np.concatenate(pos), np.concatenate(slots), views)
         input_ids, positions, slot_mapping, view_slots, view_lens = self.buffers.step_inputs()
-        decode_slots, decode_bias = self._decode_views(view_slots)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, num_decodes=len(decodes), decode_slots=decode_slots,
-            decode_bias=decode_bias, prefills=prefill_spans, collect_stats=collect_stats,
-            decode_views=view_slots, decode_lens=view_lens)
+            slot_mapping=slot_mapping, num_decodes=len(decodes), decode_views=view_slots,
+            decode_lens=view_lens, prefills=prefill_spans, collect_stats=collect_stats)
         if collect_stats:
-            meta.decode_mass = torch.zeros(decode_slots.shape, dtype=torch.float32)
+            meta.decode_mass = torch.zeros(view_slots.shape, dtype=torch.float32)
             meta.prefill_colsum = [torch.zeros(len(p.kv_slots)) for p in prefill_spans]
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta, rows=rows)
 
@@ -99,14 +97,6 @@ class ModelRunner:
             q_ids = np.arange(computed, computed + n)
             mask = torch.from_numpy(view_ids[None, :] <= q_ids[:, None])
         return PrefillSpan(start, start + n, torch.from_numpy(view_slots.astype(np.int64)), mask)
-
-    @staticmethod
-    def _decode_views(view_slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        # padded views [[5, 9], [7, -1]] -> gather slots [[5, 9], [7, 0]], bias [[0, 0], [0, -inf]]
-        pad = view_slots < 0
-        bias = torch.zeros(view_slots.shape[0], 1, 1, view_slots.shape[1])
-        bias.masked_fill_(pad[:, None, None, :], float("-inf"))
-        return view_slots.clamp(min=0), bias
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:

@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
     def _all_in_c(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """A decode-only step of up to MAX_GEMM_ROWS rows, on a model the C layer can run."""
         return (self.layers[0].fused is not None and not meta.prefills
-                and meta.decode_lens is not None and meta.num_decodes == num_tokens
+                and meta.num_decodes == num_tokens
                 and 0 < num_tokens <= cpu_kernels.MAX_GEMM_ROWS
                 and ops.cpu_kernels_enabled())
 
