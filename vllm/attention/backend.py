@@ -57,13 +57,10 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     kv_cache[slot_mapping] = torch.stack((k, v), dim=1)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] for this step's tokens -> [T, H, D].
-
-    k = v = None: the caller has already written this step's K/V at meta.slot_mapping."""
-    if k is not None:
-        write_kv(kv_cache, meta.slot_mapping, k, v)
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q [T, H, D] for this step's tokens -> [T, H, D]; their K/V are already in the cache at
+    meta.slot_mapping (write_kv, or the C rotary kernel that writes them)."""
     out = torch.empty_like(q)
     b = meta.num_decodes
     if b:

@@ -13,7 +13,7 @@ from torch import nn
 
 from vllm import _custom_ops as ops
 from vllm import cpu_kernels
-from vllm.attention.backend import AttentionMetadata, paged_attention
+from vllm.attention.backend import AttentionMetadata, paged_attention, write_kv
 
 
 class Linear(nn.Module):
@@ -148,13 +148,13 @@ class DecoderLayer(nn.Module):
         if _fused_cpu(qkv):
             q = cpu_kernels.rope_write_kv(qkv, cos, sin, meta.slot_mapping, kv_cache,
                                           self.num_heads)
-            attn = paged_attention(q, None, None, kv_cache, meta, self.scale)
         else:   # rotate q and k heads together: [T, H + KVH, D]
             qk = rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim),
                         cos[:, None], sin[:, None])
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-            attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
+            write_kv(kv_cache, meta.slot_mapping, k, v)
+        attn = paged_attention(q, kv_cache, meta, self.scale)
         x = self.o(attn.reshape(t, self.q_size), residual=x)
         h = rms_norm(x, self.ln2, self.eps)
         return self.down(silu_mul(self.gate_up(h)), residual=x)
