@@ -24,9 +24,9 @@ from vllm import envs
 logger = logging.getLogger(__name__)
 
 # an installed wheel carries the source as vllm/_csrc/ (setup.py); a checkout has it in csrc/
-SOURCE = next((p for p in (Path(__file__).resolve().parent / "_csrc" / "decode_kernels.c",
-                           Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "decode_kernels.c")
-               if p.exists()), Path("csrc/cpu/decode_kernels.c"))
+_HERE = Path(__file__).resolve().parent
+SOURCE = next((p for p in (_HERE / "_csrc" / "decode_kernels.c",
+                           _HERE.parent / "csrc" / "cpu" / "decode_kernels.c") if p.exists()), None)
 PANEL = 16                    # must match PANEL in the C source
 MAX_GEMM_ROWS = 128           # the C GEMM's range; above it MKL is faster (compute-bound)
 
@@ -67,7 +67,7 @@ def _build() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    if os.environ.get("VLLM_CPU_KERNELS", "1") == "0" or not SOURCE.exists():
+    if os.environ.get("VLLM_CPU_KERNELS", "1") == "0" or SOURCE is None:
         return None
     try:
         lib = ctypes.CDLL(str(_build()))
@@ -150,7 +150,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
     assert q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
     assert slots.dtype == torch.int64 and slots.stride(1) == 1
     lens = lens.contiguous()
-    lmax = max(slots.shape[1], 1)                   # every lens[b] <= the views' width
+    lmax = _width(slots)                            # every lens[b] <= the views' width
     probs = torch.empty(b, h, -(-lmax // 16) * 16, dtype=torch.float32)   # rows padded to 16
     out = torch.empty(b, h, d, dtype=torch.float32)
     if mass is not None:
@@ -181,7 +181,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
+                  num_heads: int) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) D] -> rotated q [T, H, D]; rotated k and v written to kv_cache
     [S, 2, KVH, D] at slot_mapping [T] (int64). cos, sin [T, D] at each token's position."""
     t = qkv.shape[0]
@@ -199,15 +200,13 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def decode_layer(layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor, views: torch.Tensor,
                  lens: torch.Tensor, mass: Optional[torch.Tensor],
-                 scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 scratch: torch.Tensor) -> torch.Tensor:
     """One decoder layer for M decode tokens, in place on the residual stream x [M, hidden]
     (contiguous float32): RMSNorm, QKV, rotary + K/V write at slot_mapping, attention over
     views/lens (mass += probabilities, if given), O + residual, RMSNorm, SiLU MLP + residual.
     `scratch` from decode_scratch() can be shared by every layer of a step."""
-    m, width = x.shape[0], max(views.shape[1], 1)
+    m, width = x.shape[0], _width(views)
     assert x.is_contiguous() and x.dtype == torch.float32 and views.stride(1) == 1
-    if scratch is None:
-        scratch = decode_scratch(layer, m, width)
     _library().vtok_decode_layer(
         ctypes.byref(layer), x.data_ptr(), m, cos.contiguous().data_ptr(),
         sin.contiguous().data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(),
@@ -217,6 +216,11 @@ def decode_layer(layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: t
     return x
 
 
-def decode_scratch(layer: LayerWeights, m: int, width: int) -> torch.Tensor:
-    return torch.empty(_library().vtok_decode_layer_scratch(ctypes.byref(layer), m, width),
-                       dtype=torch.float32)
+def decode_scratch(layer: LayerWeights, m: int, views: torch.Tensor) -> torch.Tensor:
+    """Scratch for decode_layer over m rows and these views."""
+    size = _library().vtok_decode_layer_scratch(ctypes.byref(layer), m, _width(views))
+    return torch.empty(size, dtype=torch.float32)
+
+
+def _width(views: torch.Tensor) -> int:
+    return max(views.shape[1], 1)
