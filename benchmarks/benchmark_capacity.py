@@ -43,7 +43,7 @@ def trial(model, kw, work, c, budget, extra):
               sorted(done, key=lambda o: int(o.request_id)), work)))
     per_req = float(np.mean([o.kv_stats["peak_blocks"] for o in done])) if done else None
     live = float(np.mean([o.kv_stats["live_tokens"] for o in done])) if done else None
-    return {"c": c, "feasible": bool(ok), "pool_peak": eng.block_manager.peak_used,
+    return {"c": c, "feasible": bool(ok), "pool_peak": eng.kv.bm.peak_used,
             "request_peak_blocks": per_req, "live_tokens": live, "seconds": secs,
             "tok_s": sum(n for _, n in work[:c]) / secs if ok else None}
 

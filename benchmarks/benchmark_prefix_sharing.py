@@ -23,7 +23,7 @@ _orig_plan = backend_mod.plan
 
 def instrument(llm, counters):
     """Count shared blocks kept out of plans; assert no plan ever touches one."""
-    bm = llm.llm_engine.block_manager
+    bm = llm.llm_engine.kv.bm
 
     def candidates(seq, bm_, busy):
         shared = [b for b in seq.block_ids if bm_.is_shared(seq, b)]

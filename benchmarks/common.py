@@ -351,7 +351,7 @@ def measure(llm, work: Workload) -> Dict:
                 done[o.request_id] = o
         if decode:
             steps.append(time.perf_counter() - t0)
-        used.append(eng.block_manager.pool.num_used)
+        used.append(eng.kv.bm.pool.num_used)
     total = time.perf_counter() - t_start
     steps = np.array(steps) if steps else np.zeros(1)
     return {"outs": [done[r] for r in ids], "seconds": total,

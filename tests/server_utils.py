@@ -74,7 +74,7 @@ def engine_state(engine: AsyncLLMEngine) -> dict:
     """Checks accounting and reports what the engine still holds."""
     def probe(e):
         e.check_accounting()
-        bm = e.block_manager
+        bm = e.kv.bm
         return {"unfinished": e.get_num_unfinished_requests(), "free": bm.num_free_blocks,
                 "total": bm.num_blocks, "tables": len(bm.token_table),
                 "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting)}

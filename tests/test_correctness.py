@@ -14,7 +14,7 @@ def _generate(model_dir, prompts, **kwargs):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.llm_engine.check_accounting()
-    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    assert llm.llm_engine.kv.bm.num_free_blocks == llm.llm_engine.kv.bm.num_blocks
     return [o.outputs[0].token_ids for o in outs], llm
 
 
@@ -67,7 +67,7 @@ def test_shared_prefix_hits_cache_and_matches(tiny_llama):
     first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first + rest] == ref
-    bm = llm.llm_engine.block_manager
+    bm = llm.llm_engine.kv.bm
     assert bm.pool.num_free == bm.num_blocks
 
 

@@ -85,7 +85,7 @@ def test_decode_dispatch_matches_the_cpu_backend(backend):
     kv, slots, lens_t = paged_scene(lens, kvh=2, d=16, seed=9, pad=-1)
     q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(8))
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decodes=3,
-                             decode_views=slots, decode_lens=lens_t, collect_stats=True,
+                             decode_views=slots, decode_lens=lens_t,
                              decode_mass=torch.zeros(slots.shape))
     with ops.forced_backend("torch"):                 # the backend's torch gather + SDPA path
         ref = _decode(q, kv, meta, 0.25)

@@ -7,10 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from vllm.config import KVEvictionConfig
-from vllm.core.block_manager import BlockManager
-from vllm.core.eviction_driver import EvictionDriver
-from vllm.core.reclaim.backend import ReclamationBackend
-from vllm.core.reclaim.hole_filler import HoleFiller
+from vllm.core.kv_manager import KVManager
 from vllm.core.reclaim.planner import BlockSnapshot, plan
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence
@@ -22,19 +19,17 @@ LAYERS = 2
 
 
 class Harness:
-    """The KV plane without a model: every token's K/V payload is its (seq, id) fingerprint."""
+    """The KV plane without a model: every token's K/V payload is its (seq, id) fingerprint.
+    The KV manager plans, a delayed executor copies, as the engine wires them."""
 
     def __init__(self, delay: int, frag: float, fill: bool = False):
-        self.bm = BlockManager(NUM_BLOCKS, BS)
+        cfg = KVEvictionConfig(policy="random", frag_threshold=frag, check_invariants=True,
+                               reclamation="vtoken-fill" if fill else "vtoken")
+        self.kvm = KVManager(NUM_BLOCKS, BS, False, cfg, num_layer_heads=1)
+        self.bm = self.kvm.bm
+        self.backend = self.kvm.reclaimer
         self.kv = torch.zeros(LAYERS, NUM_BLOCKS * BS, 2, 1, 2)
-        cfg = KVEvictionConfig(policy="random", frag_threshold=frag, check_invariants=True)
-        self.backend = ReclamationBackend(cfg, self.bm, DelayedRelocationExecutor(self.kv, delay),
-                                          check_invariants=True)
-        self.driver = EvictionDriver(cfg, self.bm, num_layer_heads=1)
-        self.driver.busy_blocks = self.backend.busy_blocks
-        if fill:
-            self.bm.hole_filler = HoleFiller(self.bm)
-            self.bm.hole_filler.busy_blocks = self.backend.busy_blocks
+        self.executor = DelayedRelocationExecutor(self.kv, delay, check=True)
         self.running = []
         self.next_id = 0
 
@@ -51,19 +46,19 @@ class Harness:
         seq = Sequence(str(self.next_id), str(self.next_id), 0, None, list(range(n)),
                        SamplingParams(), None)
         self.next_id += 1
-        if not self.bm.can_allocate(seq, [], n):
+        if not self.kvm.can_allocate(seq, [], n):
             return
-        self.bm.allocate(seq, [], n)
+        self.kvm.allocate(seq, [], n)
         self.write(seq, 0, n)
         self.running.append(seq)
 
     def append(self, i: int, n: int) -> None:
         seq = self.running[i]
-        if not self.bm.can_append(seq, n):
+        if not self.kvm.can_append(seq, n):
             return
         seq.token_ids += [7] * n
         start = seq.num_computed_tokens
-        self.bm.append_slots(seq, n)
+        self.kvm.append_slots(seq, n)
         self.write(seq, start, start + n)
 
     def evict(self, i: int, frac: float, seed: int) -> None:
@@ -71,25 +66,25 @@ class Harness:
         live = self.bm.token_table.live_ids(seq.seq_id)[:-1]      # the newest token stays
         pick = np.random.default_rng(seed).permutation(live)[:int(frac * len(live))]
         self.bm.token_table.evict_tokens(seq.seq_id, np.sort(pick))
-        self.driver.free_dead_blocks(seq)
+        self.kvm.eviction.free_dead_blocks(seq)
 
     def reclaim(self) -> None:
-        self.backend.step(self.running)
+        """One engine step's worth: plan (after a step), copies (schedule), execute, apply."""
+        self.backend.plan_step(self.running)
+        self.kvm.copies_done(self.executor.execute(self.kvm.take_copies()))
 
     def remove(self, i: int) -> None:
-        seq = self.running.pop(i)
-        self.bm.free(seq)
+        self.kvm.free(self.running.pop(i))
 
     def check(self) -> None:
         tt = self.bm.token_table
+        self.kvm.check_invariants()                                              # I2, accounting
         for seq in self.running:
-            tt.check_invariants(seq.seq_id, seq.block_ids)                       # I2
             ids = tt.live_ids(seq.seq_id)
             slots = torch.from_numpy(tt.live_slots(seq.seq_id).astype(np.int64))
             assert torch.equal(self.kv[:, slots], self.payload(seq, ids)), seq.seq_id  # I1
-            for f in self.backend.in_flight.values():                           # I4: pinned
-                assert all(self.bm.pool.ref_cnt[b] > 0 for b in f.plan.freed_blocks)
-        self.bm.check_accounting(self.running)
+        for plan_ in self.backend.in_flight.values():                           # I4: pinned
+            assert all(self.bm.pool.ref_cnt[b] > 0 for b in plan_.freed_blocks)
         assert set(tt.request_ids()) == {s.seq_id for s in self.running}
 
 
@@ -181,7 +176,7 @@ def test_hole_filling_reuses_dead_slots_before_growing():
     h.add(32)                                          # 8 full blocks
     seq = h.running[0]
     h.evict(0, 0.25, seed=1)                           # 7 holes
-    holes = h.bm.hole_filler.holes(seq)
+    holes = h.kvm.filler.holes(seq, 100)
     blocks = list(seq.block_ids)
     h.append(0, len(holes))                            # all land in holes: no new block
     assert seq.block_ids == blocks
@@ -200,11 +195,11 @@ def test_hole_filling_skips_in_flight_and_shared_blocks():
     h.reclaim()                                        # plan in flight for 3 steps
     busy = h.backend.busy_blocks(seq.seq_id)
     assert busy
-    holes = h.bm.hole_filler.holes(seq)
+    holes = h.kvm.filler.holes(seq, 100)
     assert not set((holes // BS).tolist()) & busy
     shared = [b for b in seq.block_ids if b not in busy][:1]
     h.bm.pool.touch(shared)
-    assert not set((h.bm.hole_filler.holes(seq) // BS).tolist()) & set(shared)
+    assert not set((h.kvm.filler.holes(seq, 100) // BS).tolist()) & set(shared)
     h.bm.pool.release(shared)
 
 

@@ -26,29 +26,28 @@ class ProbeExecutor(DelayedRelocationExecutor):
 
     def __init__(self, kv_caches, delay_steps):
         super().__init__(kv_caches, delay_steps)
-        self.backend = None                  # set once installed
+        self.kv = None                       # the engine's KV manager, set once installed
         self.batches = []                    # (event, src, dst)
         self.windows = {}                    # plan -> tokens computed by its request, seen pending
 
-    def submit(self, src, dst):
-        event = super().submit(src, dst)
+    def submit(self, batch_id, src, dst):
+        event = super().submit(batch_id, src, dst)
         self.batches.append((event, src.clone(), dst.clone()))
         return event
 
-    def in_flight(self, which: int) -> np.ndarray:
+    def pending_slots(self, which: int) -> np.ndarray:
         """Slots of copies not yet landed: which=1 sources, which=2 destinations."""
         pending = [b[which] for b in self.batches if not b[0].query()]
         return torch.cat(pending).numpy() if pending else np.empty(0, np.int64)
 
-    def step(self):   # the backend's first call of its step, after the step's forward
-        tt = self.backend.bm.token_table
-        for f in self.backend.in_flight.values():
-            if f.event.query():
-                continue
-            slots = tt.slots(f.plan.seq_id, 0, tt.length(f.plan.seq_id))
-            assert (slots[f.plan.token_ids] == f.plan.src_slots).all(), "moved before completion"
-            assert set(f.plan.freed_blocks) <= set(f.seq.block_ids), "freed before completion"
-            self.windows.setdefault(id(f.plan), set()).add(f.seq.num_computed_tokens)
+    def step(self):   # first thing of every poll, before completions are reported
+        tt = self.kv.token_table
+        for seq_id, plan in self.kv.reclaimer.in_flight.items():
+            seq = self.kv.seqs[seq_id]
+            assert (tt.all_slots(seq_id)[plan.token_ids] == plan.src_slots).all(), \
+                "moved before completion"
+            assert set(plan.freed_blocks) <= set(seq.block_ids), "freed before completion"
+            self.windows.setdefault(id(plan), set()).add(seq.num_computed_tokens)
         super().step()
 
 
@@ -63,14 +62,14 @@ def install_probe(llm, delay):
     eng = llm.llm_engine
     probe = ProbeExecutor(eng.kv_caches, delay)
     eng.set_relocation_executor(probe)
-    probe.backend = eng.reclaimer
+    probe.kv = eng.kv
     counts = {"applied": 0, "relocation_frees": 0, "old_slot_reads": 0}
-    prepare, tt, bm = eng.runner.prepare_inputs, eng.block_manager.token_table, eng.block_manager
+    prepare, tt, bm = eng.runner.prepare_inputs, eng.kv.bm.token_table, eng.kv.bm
 
     def checked_prepare(*args, **kwargs):
         inp = prepare(*args, **kwargs)
         reads, writes = read_and_written_slots(inp.meta)
-        src, dst = probe.in_flight(1), probe.in_flight(2)
+        src, dst = probe.pending_slots(1), probe.pending_slots(2)
         assert not np.isin(reads, dst).any(), "attention reads a destination before it landed"
         assert not np.isin(writes, np.concatenate([src, dst])).any(), "a write hits a copy"
         counts["old_slot_reads"] += bool(np.isin(src, reads).any())   # moved tokens, old slots
@@ -87,7 +86,7 @@ def install_probe(llm, delay):
         return type(tt).apply_moves(tt, req_id, moves)
 
     def checked_free(seq, blocks):
-        pending = np.concatenate([probe.in_flight(1), probe.in_flight(2)]) // bm.block_size
+        pending = np.concatenate([probe.pending_slots(1), probe.pending_slots(2)]) // bm.block_size
         assert not np.isin(np.asarray(list(blocks)), pending).any(), \
             "a block holding an in-flight copy's slots was freed"
         emptied = [s // bm.block_size for _, s, _ in probe.batches]       # sources' blocks
@@ -103,7 +102,7 @@ def generate(llm, prompts):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     eng = llm.llm_engine
     eng.check_accounting()
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -124,12 +123,13 @@ def test_delayed_copies_keep_outputs_and_invariants(tiny_llama, prompts, delay, 
     stats = llm.get_kv_stats()
     assert stats["preemptions"] == naive_llm.get_kv_stats()["preemptions"] == 0
     assert stats["relocation_events"] > 0 and stats["blocks_reclaimed"] > 0
+    llm.llm_engine.step()    # delivers the fence of a batch whose request finished mid-copy
     assert probe.landed == probe.launches == len(probe.batches) > 0
     assert counts["applied"] > 0 and counts["relocation_frees"] > 0
     assert counts["old_slot_reads"] > 0      # steps that read moved tokens at their old slots
     # requests kept decoding while their own plan was in flight
     assert max(len(seen) for seen in probe.windows.values()) >= min(delay, 2)
-    # a request that finished with its copy in flight waited for it (before_free -> synchronize)
+    # a request that left with its copy in flight had it fenced (fence -> wait lands it)
     early = sum(e.steps_left > 0 for e, _, _ in probe.batches)
     print(f"delay {delay}: {len(probe.batches)} batches, {early} landed early at a finish")
 
@@ -145,14 +145,27 @@ def test_cpu_executor_completes_at_once(force_sync):
     kv, src, dst = kv_and_moves()
     expect = kv.clone()
     expect[:, dst] = expect[:, src]
-    ex = RelocationExecutor(kv, force_sync=force_sync)
-    event = ex.submit(src, dst)
+    ex = RelocationExecutor(kv, force_sync=force_sync, check=True)
+    event = ex.submit(7, src, dst)
     assert isinstance(event, CopyEvent) and event.query() and torch.equal(kv, expect)
-    ex.step()
+    assert ex.poll() == {7} and ex.poll() == set()
     ex.pre_attention()                       # no stream on CPU: a no-op
-    event.wait()
+    ex.fence([7])                            # completed: nothing to wait for
     assert ex.launches == 1 and ex.copy_time > 0 and ex.blocked_time == 0
-    assert set(ex.stats()) == {"copy_launches", "copy_time_s", "copy_blocked_s", "copy_device_s"}
+    assert set(ex.stats()) == {"copy_launches", "copy_time_s", "copy_blocked_s", "copy_device_s",
+                               "bytes_moved"}
+    assert ex.stats()["bytes_moved"] == 3 * kv[:, 0].numel() * 4
+
+
+def test_executor_checks_conservation():
+    """I1 on the worker side: a copy whose destination bytes differ from its sources fails."""
+    kv, src, dst = kv_and_moves()
+    ex = DelayedRelocationExecutor(kv, delay_steps=1, check=True)
+    ex.submit(0, src, dst)
+    assert ex.poll() == set()
+    kv[:, src[0]] += 1.0                     # a source overwritten before the copy landed
+    with pytest.raises(AssertionError, match="I1"):
+        ex.poll()
 
 
 def test_delayed_executor_poisons_until_it_lands():
@@ -160,12 +173,14 @@ def test_delayed_executor_poisons_until_it_lands():
     expect = kv.clone()
     expect[:, dst] = expect[:, src]
     ex = DelayedRelocationExecutor(kv, delay_steps=2)
-    first = ex.submit(src[:2], dst[:2])
-    ex.step()
-    second = ex.submit(src[2:], dst[2:])
+    first = ex.submit(0, src[:2], dst[:2])
+    assert ex.poll() == set()                # the step it was submitted in
+    second = ex.submit(1, src[2:], dst[2:])
+    assert ex.poll() == set()
     assert not first.query() and torch.isnan(kv[:, dst]).all()
-    ex.step()                                # first lands (2 steps), second is 1 step in
-    assert first.query() and not second.query() and torch.equal(kv[:, dst[:2]], expect[:, dst[:2]])
-    second.synchronize()                     # a leaving request waits for its copy
+    assert ex.poll() == {0}                  # first lands (2 steps later), second is 1 step in
+    assert not second.query() and torch.equal(kv[:, dst[:2]], expect[:, dst[:2]])
+    ex.fence([1])                            # a leaving request's batch: ordered before reuse
     assert second.query() and torch.equal(kv, expect) and ex.landed == 2
-    assert DelayedRelocationExecutor(kv, delay_steps=0).submit(src, dst).query()
+    assert ex.poll() == {1}
+    assert DelayedRelocationExecutor(kv, delay_steps=0).submit(0, src, dst).query()

@@ -13,7 +13,7 @@ def llm(tiny_llama):
 def _clean(llm):
     eng = llm.llm_engine
     eng.check_accounting()
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
     assert not eng.requests
 
 
@@ -113,11 +113,14 @@ def test_bad_sampling_params(kwargs):
         SamplingParams(**kwargs)
 
 
-def test_sequence_that_outgrows_the_pool_finishes_as_length(tiny_llama):
+def test_sequence_that_outgrows_the_pool_finishes_as_kv_exhausted(tiny_llama):
     small = LLM(tiny_llama, num_gpu_blocks_override=3, block_size=8)
     out = small.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=50,
                                                                         ignore_eos=True),
                          use_tqdm=False)[0]
-    # 24 slots hold the prompt and 14 outputs; the 15th is sampled but never needs KV
-    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 15
+    # 24 slots hold the prompt and 14 outputs; the 15th is sampled but never needs KV. The
+    # reason is not "length": max_tokens was not reached, the pool ran out.
+    assert out.outputs[0].finish_reason == "kv_cache_exhausted"
+    assert len(out.outputs[0].token_ids) == 15
+    assert out.kv_stats["blocks_at_finish"] == 3 and out.kv_stats["live_tokens"] == 24
     _clean(small)

@@ -39,9 +39,8 @@ def test_statistics_are_shaped_and_normalised_like_the_backend():
         slot_mapping=torch.tensor([21, 40, 50, 51, 52, 53]), num_decodes=2,
         decode_views=torch.tensor([[3, 9, 12, 20, 21], [30, 31, 40, -1, -1]]),
         decode_lens=torch.tensor([5, 3]),
-        prefills=[PrefillSpan(2, 6, prefill_view, None)], collect_stats=True)
-    meta.decode_mass = torch.zeros(2, 5)
-    meta.prefill_colsum = [torch.zeros(10)]
+        prefills=[PrefillSpan(2, 6, prefill_view, None, colsum=torch.zeros(10))],
+        decode_mass=torch.zeros(2, 5))
     # earlier tokens' K/V as a previous step would have written them
     cache[0, :, 0, 0, 0] = torch.rand(64) + 0.1
     cache[0, :, 1, 0, 0] = torch.arange(64).float()
@@ -51,7 +50,7 @@ def test_statistics_are_shaped_and_normalised_like_the_backend():
     assert torch.allclose(meta.decode_mass.sum(1), torch.full((2,), float(lh)))
     assert (meta.decode_mass[1, 3:] == 0).all() and (meta.decode_mass[:, :3] > 0).all()
     # prefill: each query's probabilities over the keys it sees sum to one per layer-head
-    colsum = meta.prefill_colsum[0]
+    colsum = meta.prefills[0].colsum
     assert colsum.shape == (10,) and torch.isclose(colsum.sum(), torch.tensor(4.0 * lh))
     w = cache[0, prefill_view, 0, 0, 0].double()
     mask = torch.ones(4, 10, dtype=torch.bool).tril(6)
@@ -60,10 +59,15 @@ def test_statistics_are_shaped_and_normalised_like_the_backend():
     # the same span with an explicit mask (chunked prefill / evicted keys) gives the same sums
     meta2 = AttentionMetadata(torch.tensor([50, 51, 52, 53]), 0,
                               torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                              [PrefillSpan(0, 4, prefill_view, mask)], collect_stats=True)
-    meta2.prefill_colsum = [torch.zeros(10)]
+                              [PrefillSpan(0, 4, prefill_view, mask, colsum=torch.zeros(10))])
     model(torch.arange(5, 9), torch.arange(6, 10), cache, meta2)     # same tokens, same K/V
-    assert torch.allclose(meta2.prefill_colsum[0], colsum, rtol=1e-5)
+    assert torch.allclose(meta2.prefills[0].colsum, colsum, rtol=1e-5)
+    # only the last query votes (TOVA's window): its row of the dense probabilities
+    meta3 = AttentionMetadata(torch.tensor([50, 51, 52, 53]), 0,
+                              torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                              [PrefillSpan(0, 4, prefill_view, mask, torch.zeros(10), 3)])
+    model(torch.arange(5, 9), torch.arange(6, 10), cache, meta3)
+    assert torch.allclose(meta3.prefills[0].colsum.double(), dense[3] * lh, rtol=1e-5)
 
 
 def test_importance_is_heavy_tailed_and_seeded():

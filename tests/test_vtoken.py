@@ -14,6 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 def run(model, prompts, params=GREEDY, ids=None, **kwargs):
     """Generate through the engine, keeping each sequence (for its eviction log and stats)."""
     kwargs.setdefault("kv_check_invariants", True)
+    kwargs.setdefault("kv_eviction_log", True)
     kwargs.setdefault("num_gpu_blocks_override", 512)
     llm = LLM(model, **kwargs)
     eng = llm.llm_engine
@@ -27,8 +28,8 @@ def run(model, prompts, params=GREEDY, ids=None, **kwargs):
         for o in eng.step():
             outs[o.request_id] = o
     eng.check_accounting()
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-    assert len(eng.block_manager.token_table) == 0
+    assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
+    assert len(eng.kv.bm.token_table) == 0
     return llm, [outs[r] for r in ids], [seqs[r] for r in ids]
 
 
@@ -119,19 +120,22 @@ def test_shared_prefix_blocks_are_never_relocated(tiny_llama):
     while eng.has_unfinished_requests():
         eng.step()
     moved_from = []
-    backend = eng.reclaimer
-    original = backend._submit
+    backend = eng.kv.reclaimer
+    original = backend.take_copies
 
-    def spy(plans, seqs):
-        for p in plans:
-            seq = seqs[p.seq_id]
-            assert not any(eng.block_manager.is_shared(seq, b) for b in p.freed_blocks + p.dst_blocks)
+    def spy():
+        for p in backend.pending.values():
+            seq = eng.kv.seqs[p.seq_id]
+            touched = np.asarray(p.freed_blocks + p.dst_blocks, np.int64)
+            assert not eng.kv.bm.shared_mask(seq, touched).any()
+            assert not eng.kv.bm.cached_mask(np.asarray(p.dst_blocks, np.int64)).any()
             moved_from.extend(p.freed_blocks)
-        return original(plans, seqs)
+        return original()
 
-    backend._submit = spy
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
+    backend.take_copies = spy
+    for i, p in enumerate(prompts):   # long enough for the decode blocks to receive tokens
+        eng.add_request(f"r{i}", {"prompt_token_ids": p},
+                        SamplingParams(temperature=0, max_tokens=96, ignore_eos=True))
     shared = None
     while eng.has_unfinished_requests():
         eng.step()
@@ -171,7 +175,6 @@ def test_kv_stats_fields(tiny_llama, long_prompts):
     (dict(kv_eviction_policy="lru"), "--kv-eviction-policy"),
     (dict(kv_reclamation="compact"), "--kv-reclamation"),
     (dict(kv_frag_threshold=1.5), "--kv-frag-threshold"),
-    (dict(kv_reclaim_headroom_blocks=-1), "--kv-reclaim-headroom-blocks"),
     (dict(kv_recent_fraction=2.0), "--kv-recent-fraction"),
 ])
 def test_invalid_flags_name_the_flag(kwargs, flag):

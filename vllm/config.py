@@ -79,8 +79,8 @@ class KVEvictionConfig:
     seed: int = 0
     reclamation: str = "vtoken"
     frag_threshold: float = 0.25            # dead share of private slots that makes a request eligible
-    reclaim_headroom_blocks: int = 1
     check_invariants: bool = False
+    keep_eviction_log: bool = False         # Sequence.eviction_log: every evicted id (tests)
     reclaim_force_sync: bool = False        # ablation: block on every relocation copy
 
     def __post_init__(self):
@@ -98,8 +98,6 @@ class KVEvictionConfig:
                f"must be one of {RECLAMATION_MODES}, got {self.reclamation!r}")
         _check(0.0 <= self.frag_threshold <= 1.0, "--kv-frag-threshold",
                f"must be in [0, 1], got {self.frag_threshold}")
-        _check(self.reclaim_headroom_blocks >= 0, "--kv-reclaim-headroom-blocks",
-               f"must be >= 0, got {self.reclaim_headroom_blocks}")
         _check(self.scissorhands_window >= 1 and self.scissorhands_recent >= 0,
                "--kv-eviction-policy scissorhands", "window must be >= 1 and recent >= 0")
         _check(self.snapkv_window >= 1 and self.snapkv_kernel >= 1 and self.snapkv_kernel % 2 == 1,

@@ -14,11 +14,13 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Its live KV no longer fits the pool even with every other request preempted (possible
+    # under eviction, where a request can outgrow the pool); the server answers it as an error.
+    FINISHED_KV_EXHAUSTED = "kv_cache_exhausted"
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
 
 class Sequence:
@@ -39,7 +41,8 @@ class Sequence:
         self.block_ids: List[int] = []
         self.num_cached_blocks = 0              # leading blocks registered in the prefix cache
         self.shared_blocks: Set[int] = set()    # blocks taken from prefix-cache hits
-        self.blocks_in_order = True             # block j holds tokens [j*bs, (j+1)*bs)
+        self.block_hashes: List[int] = []       # prefix hash of each full block of token_ids
+        self.clean_tokens: Optional[int] = None  # tokens computed before the first eviction
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
         self.output_text = ""
@@ -52,8 +55,9 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed + index)
         self.policy = None                      # per-request eviction policy state
         self.prefill_end = 0                    # tokens prefilled since the last admission
+        self.policy_ran = False                 # the policy has seen this admission's prompt
         self.prefill_colsum = None              # prompt attention column sums, by logical id
-        self.eviction_log: List = []            # evicted id arrays, in order
+        self.eviction_log: Optional[List] = None  # evicted id arrays, in order (opt-in)
         self.kv_stats: Dict[str, float] = {}
 
     @property
@@ -86,7 +90,10 @@ class Sequence:
         self.block_ids = []
         self.num_cached_blocks = 0
         self.shared_blocks = set()
-        self.blocks_in_order = True
+        self.clean_tokens = None
         self.num_preemptions += 1
-        self.policy = None
+        self.policy = None                      # the re-prefill restarts the policy
         self.prefill_colsum = None
+        self.kv_stats = {}                      # this admission's figures only
+        if self.eviction_log is not None:
+            self.eviction_log = []

@@ -26,6 +26,8 @@ class PrefillSpan:
     q_end: int
     kv_slots: torch.Tensor               # [Lk] attention view (includes this chunk's tokens)
     mask: Optional[torch.Tensor]         # [q, Lk] bool (True = attend); None = plain causal
+    colsum: Optional[torch.Tensor] = None  # [Lk] float32 += attention of queries >= colsum_from
+    colsum_from: int = 0                 # (a policy may score with the last prompt queries only)
 
 
 @dataclass
@@ -35,9 +37,8 @@ class AttentionMetadata:
     decode_views: torch.Tensor           # [B, Lmax] int64 attention views, padding -1
     decode_lens: torch.Tensor            # [B] entries per view row
     prefills: List[PrefillSpan] = field(default_factory=list)
-    collect_stats: bool = False
-    decode_mass: Optional[torch.Tensor] = None       # [B, Lmax] float32, summed over layers+heads
-    prefill_colsum: List[torch.Tensor] = field(default_factory=list)  # per span, [Lk] float32
+    decode_mass: Optional[torch.Tensor] = None       # [B, Lmax] float32 += probabilities summed
+                                                     # over layers and heads; None: not collected
 
     # The torch path's form of the views, derived on first use (the C kernel reads the views):
     # [[5, 9], [7, -1]] -> gather slots [[5, 9], [7, 0]], bias [[0, 0], [0, -inf]]
@@ -58,26 +59,25 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, decode_path: Optional[str] = None) -> torch.Tensor:
     """q [T, H, D] for this step's tokens -> [T, H, D]; their K/V are already in the cache at
-    meta.slot_mapping (write_kv, or the C rotary kernel that writes them)."""
+    meta.slot_mapping (write_kv, or the C rotary kernel that writes them). decode_path "torch"
+    keeps decode rows off the C kernel (a model's KernelPlan where torch is faster)."""
     out = torch.empty_like(q)
     b = meta.num_decodes
     if b:
-        out[:b] = _decode(q[:b], kv_cache, meta, scale)
-    for i, span in enumerate(meta.prefills):
-        colsum = meta.prefill_colsum[i] if meta.collect_stats else None
+        out[:b] = _decode(q[:b], kv_cache, meta, scale, decode_path)
+    for span in meta.prefills:
         out[span.q_start:span.q_end] = _prefill(q[span.q_start:span.q_end], kv_cache, span,
-                                                scale, colsum)
+                                                scale)
     return out
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float) -> torch.Tensor:
-    if ops.decode_backend(q) == "cpu":
-        mass = meta.decode_mass if meta.collect_stats else None
+            scale: float, path: Optional[str] = None) -> torch.Tensor:
+    if path != "torch" and ops.decode_backend(q) == "cpu":
         return ops.decode_attention(q, kv_cache, meta.decode_views, meta.decode_lens, scale,
-                                    mass, backend="cpu")
+                                    meta.decode_mass, backend="cpu")
     b, h, d = q.shape
     width = meta.decode_slots.shape[1]
     # index_select on the flat view is ~2x faster than advanced indexing on CPU
@@ -85,7 +85,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     kv = kv.view(b, width, 2, kv_cache.shape[2], d)              # [B, L, 2, KVH, D]
     k = kv[:, :, 0].transpose(1, 2)                              # [B, KVH, L, D]
     v = kv[:, :, 1].transpose(1, 2)
-    if not meta.collect_stats:
+    if meta.decode_mass is None:
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_bias,
                                              scale=scale, enable_gqa=True)
         return out.view(b, h, d)
@@ -97,22 +97,23 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     return torch.matmul(probs, v).reshape(b, h, d)
 
 
-def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float,
-             colsum: Optional[torch.Tensor]) -> torch.Tensor:
+def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
+             scale: float) -> torch.Tensor:
     kv = kv_cache.index_select(0, span.kv_slots)     # [Lk, 2, KVH, D]
     k = kv[:, 0].transpose(0, 1)                     # [KVH, Lk, D]
     v = kv[:, 1].transpose(0, 1)
     qh = q.transpose(0, 1)                           # [H, q, D]
-    if colsum is None:
+    if span.colsum is None:
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=span.mask,
                                              is_causal=span.mask is None, scale=scale,
                                              enable_gqa=True)
         return out.transpose(0, 1)
-    return _prefill_with_colsum(qh, k, v, span, scale, colsum).transpose(0, 1)
+    return _prefill_with_colsum(qh, k, v, span, scale).transpose(0, 1)
 
 
-def _prefill_with_colsum(qh, k, v, span, scale, colsum):
-    """Tiled over queries: O(tile * Lk) memory per head, never the full Lq x Lk matrix."""
+def _prefill_with_colsum(qh, k, v, span, scale):
+    """Tiled over queries: O(tile * Lk) memory per head, never the full Lq x Lk matrix. Only
+    queries from span.colsum_from on add to the column sums."""
     h, lq, d = qh.shape
     kvh, lk, _ = k.shape
     qg = qh.reshape(kvh, h // kvh, lq, d)
@@ -127,6 +128,8 @@ def _prefill_with_colsum(qh, k, v, span, scale, colsum):
         scores = torch.matmul(qg[:, :, s:e], kt) * scale
         scores.masked_fill_(~mask[s:e], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        colsum += probs.sum(dim=(0, 1, 2), dtype=torch.float32)
+        first = max(span.colsum_from - s, 0)          # scored queries of this tile start here
+        if first < e - s:
+            span.colsum += probs[:, :, first:].sum(dim=(0, 1, 2), dtype=torch.float32)
         out[:, :, s:e] = torch.matmul(probs, vv)
     return out.reshape(h, lq, d)

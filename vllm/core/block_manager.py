@@ -2,7 +2,13 @@
 
 Check-then-commit pairs: `can_allocate`/`allocate` for a waiting sequence,
 `can_append`/`append_slots` for a running one. Slots for new tokens come from the token
-table (`sync_new_tokens`), so the block manager never computes a slot itself.
+table (`sync_new_tokens`), so the block manager never computes a slot itself. It knows nothing
+of eviction: the KV manager (kv_manager.py) decides which blocks may be cached, filled or freed.
+
+Prefix-cache rule: block j of a sequence is registered under the hash of tokens [0, (j+1)*B)
+only if all of them were computed before the sequence's first eviction (`Sequence.clean_tokens`).
+Until that eviction no token is dead, so no block was freed, relocated or hole-filled: block j
+holds exactly tokens [j*B, (j+1)*B), whose K/V saw the full context.
 """
 from typing import List, Optional, Sequence as Seq
 
@@ -13,7 +19,7 @@ from vllm.core.token_table import TokenTable
 from vllm.sequence import Sequence
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -24,8 +30,6 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.token_table = TokenTable(block_size)
         self.peak_used = 0
-        self.before_free: List = []     # hooks run before a sequence's blocks are released
-        self.hole_filler = None         # vtoken-fill: gives reusable dead slots for new tokens
 
     @property
     def num_blocks(self) -> int:
@@ -37,7 +41,7 @@ class BlockManager:
 
     # ---- prefix caching ---------------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> List[int]:
-        hashes = seq.__dict__.setdefault("_block_hashes", [])
+        hashes = seq.block_hashes
         bs = self.block_size
         while len(hashes) < num_blocks:
             j = len(hashes)
@@ -45,12 +49,16 @@ class BlockManager:
             hashes.append(hash((prev, tuple(seq.token_ids[j * bs:(j + 1) * bs]))))
         return hashes[:num_blocks]
 
-    def computed_blocks(self, seq: Sequence) -> List[int]:
-        """Leading prefix-cache hits for a waiting sequence; the last token is always computed."""
+    def computed_blocks(self, seq: Sequence, max_blocks: Optional[int] = None) -> List[int]:
+        """Leading prefix-cache hits for a waiting sequence (at most max_blocks); the last
+        token is always computed."""
         if not self.enable_prefix_caching:
             return []
+        limit = (seq.num_tokens - 1) // self.block_size
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
         hits = []
-        for h in self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        for h in self._block_hashes(seq, limit):
             block = self.pool.lookup(h)
             if block is None:
                 break
@@ -58,24 +66,24 @@ class BlockManager:
         return hits
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        if not self.enable_prefix_caching or not seq.blocks_in_order:
+        if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        clean = seq.num_computed_tokens if seq.clean_tokens is None else seq.clean_tokens
+        num_full = min(seq.num_computed_tokens, clean) // self.block_size
         hashes = self._block_hashes(seq, num_full)
         for j in range(seq.num_cached_blocks, num_full):
             self.pool.cache(seq.block_ids[j], hashes[j])
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
     # ---- waiting -> running -----------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int,
-                     reserve: int = 0) -> bool:
-        needed = _cdiv(num_new_tokens, self.block_size)
-        return self.pool.num_free - self.pool.num_free_among(hits) - needed >= reserve
+    def can_allocate(self, hits: List[int], num_new_tokens: int) -> bool:
+        needed = cdiv(num_new_tokens, self.block_size)
+        return self.pool.num_free - self.pool.num_free_among(hits) >= needed
 
     def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
         assert not seq.block_ids, f"{seq.seq_id} already holds blocks"
         self.pool.touch(hits)
-        seq.block_ids = list(hits) + self.pool.allocate(_cdiv(num_new_tokens, self.block_size))
+        seq.block_ids = list(hits) + self.pool.allocate(cdiv(num_new_tokens, self.block_size))
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_blocks = len(hits)
         seq.shared_blocks = set(hits)
@@ -85,33 +93,24 @@ class BlockManager:
         self._note_peak()
 
     # ---- running ----------------------------------------------------------------------------
-    def _holes(self, seq: Sequence, num_new_tokens: int):
-        if self.hole_filler is None:
-            return None
-        return self.hole_filler.holes(seq)[:num_new_tokens]
+    def blocks_to_append(self, seq: Sequence, num_new_tokens: int, num_holes: int = 0) -> int:
+        spill = num_new_tokens - num_holes - self.token_table.tail_free(seq.seq_id)
+        return cdiv(max(spill, 0), self.block_size)
 
-    def blocks_to_append(self, seq: Sequence, num_new_tokens: int, holes=None) -> int:
-        reused = 0 if holes is None else len(holes)
-        spill = num_new_tokens - reused - self.token_table.tail_free(seq.seq_id)
-        return _cdiv(max(spill, 0), self.block_size)
+    def can_append(self, seq: Sequence, num_new_tokens: int, num_holes: int = 0) -> bool:
+        return self.pool.num_free >= self.blocks_to_append(seq, num_new_tokens, num_holes)
 
-    def can_append(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
-        holes = self._holes(seq, num_new_tokens)
-        return self.pool.num_free - self.blocks_to_append(seq, num_new_tokens, holes) >= reserve
-
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        holes = self._holes(seq, num_new_tokens)
-        seq.block_ids += self.pool.allocate(self.blocks_to_append(seq, num_new_tokens, holes))
+    def append_slots(self, seq: Sequence, num_new_tokens: int,
+                     holes: Optional[np.ndarray] = None) -> None:
+        """New tokens go into `holes` (dead slots of the sequence's own blocks) first."""
+        n_holes = 0 if holes is None else len(holes)
+        seq.block_ids += self.pool.allocate(self.blocks_to_append(seq, num_new_tokens, n_holes))
         self.token_table.sync_new_tokens(seq.seq_id, seq.block_ids,
                                          seq.num_computed_tokens + num_new_tokens, holes)
-        if holes is not None:
-            self.hole_filler.slots_reused += len(holes)
         self._note_peak()
 
     # ---- release ----------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
-        for hook in self.before_free:
-            hook(seq)
         # Reverse order: a prefix's tail blocks leave the cache before its head blocks.
         self.pool.release(list(reversed(seq.block_ids)))
         seq.block_ids = []
@@ -124,25 +123,44 @@ class BlockManager:
             return
         seq.block_ids = [b for b in seq.block_ids if b not in gone]
         self.token_table.forget_blocks(seq.seq_id, gone)
-        seq.blocks_in_order = False
         seq.shared_blocks -= gone
         self.pool.release(list(blocks))
 
-    def is_shared(self, seq: Sequence, block: int) -> bool:
-        return self.pool.ref_cnt[block] > 1 or block in seq.shared_blocks
-
     def shared_mask(self, seq: Sequence, blocks: np.ndarray) -> np.ndarray:
-        """is_shared for each of `blocks` (int64 array), in one pass."""
+        """Blocks another sequence reads too (ref count > 1, or taken from a cache hit)."""
         mask = self.pool.ref_cnt[blocks] > 1
         if seq.shared_blocks:
             mask |= np.isin(blocks, np.fromiter(seq.shared_blocks, np.int64))
         return mask
 
+    def cached_mask(self, blocks: np.ndarray) -> np.ndarray:
+        """Blocks registered in the prefix cache: their bytes must stay what the hash says."""
+        return self.pool.hashed[blocks]
+
     def _note_peak(self) -> None:
         self.peak_used = max(self.peak_used, self.pool.num_used)
 
+    # ---- invariants -------------------------------------------------------------------------
     def check_accounting(self, running: Seq[Sequence] = ()) -> None:
         self.pool.check_accounting()
         owned = sum(len(s.block_ids) for s in running)
         refs = int(self.pool.ref_cnt.sum())
         assert owned == refs, f"block accounting broken: sequences own {owned}, refs {refs}"
+
+    def check_prefix_cache(self, seq: Sequence) -> None:
+        """Every token a sequence keeps in a cached block is the one the cache entry names: the
+        block's hash is that of the token's logical block, and the offset matches."""
+        tt, bs = self.token_table, self.block_size
+        slots = tt.all_slots(seq.seq_id).astype(np.int64)
+        ids = np.flatnonzero(slots >= 0)
+        slots = slots[ids]
+        in_cache = self.pool.hashed[slots // bs]
+        ids, slots = ids[in_cache], slots[in_cache]
+        hashes = seq.block_hashes
+        for i, slot in zip(ids.tolist(), slots.tolist()):
+            j = i // bs
+            if slot % bs != i % bs or j >= len(hashes) or \
+                    self.pool.block_hash[slot // bs] != hashes[j]:
+                raise AssertionError(
+                    f"request {seq.seq_id}: token {i} sits in cached block {slot // bs} at "
+                    f"offset {slot % bs}: the prefix-cache entry no longer matches its bytes")

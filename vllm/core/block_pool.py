@@ -13,6 +13,7 @@ class BlockPool:
         self._free: "OrderedDict[int, None]" = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: Dict[int, int] = {}
         self.block_hash: List[Optional[int]] = [None] * num_blocks
+        self.hashed = np.zeros(num_blocks, dtype=bool)     # block_hash[b] is not None
 
     @property
     def num_free(self) -> int:
@@ -54,6 +55,7 @@ class BlockPool:
         if block_hash not in self._hash_to_block:
             self._hash_to_block[block_hash] = block
             self.block_hash[block] = block_hash
+            self.hashed[block] = True
 
     def uncache(self, block: int) -> None:
         h = self.block_hash[block]
@@ -61,6 +63,7 @@ class BlockPool:
             if self._hash_to_block.get(h) == block:
                 del self._hash_to_block[h]
             self.block_hash[block] = None
+            self.hashed[block] = False
 
     def num_free_among(self, blocks: List[int]) -> int:
         return sum(1 for b in blocks if self.ref_cnt[b] == 0)

@@ -5,65 +5,120 @@ policy reads this step's attention statistics and names dead logical ids, which 
 hides from the next step on. Blocks are never a policy's business: a block whose tokens are all
 dead goes back to the pool here (that is all Naive-Evict can do); repacking partially live
 blocks is the reclamation backend's job.
+
+A prompt's chunks are scored together and the policy runs once at the prompt's end. A re-prefill
+after preemption is different: the request may have outgrown the pool, so it evicts as it goes
+(the first chunk is its "prompt", each later chunk one multi-query "decode" step).
 """
-from typing import Dict, List, Optional
+from typing import Callable, Optional, Set
 
 import numpy as np
 
-from vllm.attention.backend import AttentionMetadata
 from vllm.config import KVEvictionConfig
 from vllm.core.block_manager import BlockManager
-from vllm.core.eviction import POLICY_CLASSES, make_policy
+from vllm.core.eviction import EvictionPolicy, make_policy
+from vllm.core.step_stats import ScoreRequest, SeqStepStats
 from vllm.sequence import Sequence
+
+ALL = 1 << 62     # "every prompt query" as a window length
 
 
 class EvictionDriver:
     def __init__(self, config: KVEvictionConfig, block_manager: BlockManager,
-                 num_layer_heads: int):
+                 num_layer_heads: int, busy_blocks: Callable[[str], Set[int]]):
         self.config = config
         self.bm = block_manager
         self.num_layer_heads = num_layer_heads
-        cls = POLICY_CLASSES.get(config.policy)
-        self.needs_stats = bool(cls and cls.needs_attention_stats)
+        self.busy_blocks = busy_blocks
         self.evicted_tokens = 0
-        self.busy_blocks = lambda seq_id: set()     # set by the reclamation backend
+        self.keep_log = config.keep_eviction_log
 
-    def after_step(self, rows, meta: AttentionMetadata) -> None:
-        """rows: the step's StepRows; num_computed_tokens already includes this step."""
-        for r in rows:
-            evict = self._run_policy(r, meta)
-            if len(evict):
-                self.bm.token_table.evict_tokens(r.seq.seq_id, evict)
-                r.seq.eviction_log.append(evict)
-                r.seq.kv_stats["evicted_tokens"] = \
-                    r.seq.kv_stats.get("evicted_tokens", 0) + len(evict)
-                self.evicted_tokens += len(evict)
-                self.free_dead_blocks(r.seq)
-
-    def _run_policy(self, r, meta: AttentionMetadata) -> np.ndarray:
-        seq = r.seq
-        if seq.policy is None:       # admission or re-prefill after preemption
+    # ---- admission ----------------------------------------------------------------------------
+    def policy(self, seq: Sequence) -> EvictionPolicy:
+        if seq.policy is None:
             seq.policy = make_policy(self.config, seq.seq_id, self.num_layer_heads)
-            seq.prefill_end = seq.num_tokens
-            seq.prefill_colsum = np.zeros(seq.num_tokens, np.float32) if self.needs_stats else None
-        stats = self._stats(r, meta)
-        n = seq.num_computed_tokens
-        if n - r.num_new < seq.prefill_end:                       # a prompt chunk
-            if stats is not None:
-                seq.prefill_colsum[r.view_ids] += stats
-            if n < seq.prefill_end:
-                return np.empty(0, np.int64)                      # defer to the prompt's end
-            colsum = seq.prefill_colsum[r.view_ids] if stats is not None else None
-            seq.prefill_colsum = None
-            return seq.policy.on_prefill(r.view_ids, colsum, n)
-        return seq.policy.on_decode(r.view_ids, stats, n)
+        return seq.policy
 
-    def _stats(self, r, meta: AttentionMetadata) -> Optional[np.ndarray]:
-        if not meta.collect_stats:
+    def scored_queries(self, seq: Sequence) -> int:
+        """How many of the last prompt queries the policy scores with (0: none, ALL: every)."""
+        p = self.policy(seq)
+        if not (p.needs_attention_stats and p.needs_prefill_stats):
+            return 0
+        return ALL if p.prefill_query_window is None else p.prefill_query_window
+
+    def max_cache_hits(self, seq: Sequence) -> Optional[int]:
+        """Prefix-cache hits must not skip a query the policy scores with: a hit's queries never
+        run, so their attention would be missing and the eviction decisions would change."""
+        window = self.scored_queries(seq)
+        if window == 0:
             return None
-        if r.is_decode:
-            return meta.decode_mass[r.stats_row, :len(r.view_ids)].numpy()
-        return meta.prefill_colsum[r.stats_row].numpy()
+        if seq.num_preemptions:           # a re-prefill scores every chunk
+            return 0
+        return max(seq.num_tokens - window, 0) // self.bm.block_size
+
+    def on_admit(self, seq: Sequence) -> None:
+        self.policy(seq)
+        seq.policy_ran = False
+        seq.prefill_end = seq.num_tokens
+        seq.prefill_colsum = None
+        if self.scored_queries(seq) and not seq.num_preemptions:
+            seq.prefill_colsum = np.zeros(seq.num_tokens, np.float32)
+        if self.keep_log:
+            seq.eviction_log = []
+
+    # ---- per step -----------------------------------------------------------------------------
+    def request_scores(self, seq: Sequence, num_new: int, req: ScoreRequest) -> None:
+        """Add what this sequence's policy reads from a step of num_new tokens to `req`."""
+        p = self.policy(seq)
+        if not p.needs_attention_stats:
+            return
+        start = seq.num_computed_tokens
+        if start >= seq.prefill_end:
+            req.decode |= p.needs_decode_stats
+            return
+        window = self.scored_queries(seq)
+        if not window:
+            return
+        if seq.num_preemptions and start + num_new < seq.prefill_end:
+            target = start + num_new                     # evicting as it goes: this chunk
+        else:
+            target = seq.prefill_end
+        first = max(target - window, start) - start      # first scored query of the chunk
+        if first < num_new:
+            req.prefill_from[seq.seq_id] = first
+
+    def after_step(self, row: SeqStepStats) -> None:
+        evict = self._run_policy(row)
+        if len(evict) == 0:
+            return
+        seq = row.seq
+        if seq.clean_tokens is None:
+            seq.clean_tokens = seq.num_computed_tokens
+        self.bm.token_table.evict_tokens(seq.seq_id, evict)
+        if seq.eviction_log is not None:
+            seq.eviction_log.append(evict)
+        seq.kv_stats["evicted_tokens"] = seq.kv_stats.get("evicted_tokens", 0) + len(evict)
+        self.evicted_tokens += len(evict)
+        self.free_dead_blocks(seq)
+
+    def _run_policy(self, r: SeqStepStats) -> np.ndarray:
+        seq, policy = r.seq, self.policy(r.seq)
+        n = seq.num_computed_tokens
+        start = n - r.num_new
+        if start >= seq.prefill_end:
+            return policy.on_decode(r.view_ids, r.scores, n)
+        if seq.num_preemptions:                                   # re-prefill: evict as it goes
+            if seq.policy_ran:
+                return policy.on_decode(r.view_ids, r.scores, n)
+            seq.policy_ran = True
+            return policy.on_prefill(r.view_ids, r.scores, n)
+        if seq.prefill_colsum is not None and r.scores is not None:
+            seq.prefill_colsum[r.view_ids] += r.scores
+        if n < seq.prefill_end:
+            return np.empty(0, np.int64)                          # defer to the prompt's end
+        colsum = None if seq.prefill_colsum is None else seq.prefill_colsum[r.view_ids]
+        seq.prefill_colsum = None
+        return policy.on_prefill(r.view_ids, colsum, n)
 
     def free_dead_blocks(self, seq: Sequence) -> None:
         tt = self.bm.token_table

@@ -1,7 +1,8 @@
 """KVMonitor: per-request and engine-wide KV footprint statistics."""
-from typing import Dict, List
+from typing import Dict, Iterable
 
 from vllm.core.block_manager import BlockManager
+from vllm.core.step_stats import StepStats
 from vllm.sequence import Sequence
 
 
@@ -12,8 +13,8 @@ class KVMonitor:
         self.util_sum = 0.0
         self.live_tokens = 0
 
-    def after_step(self, rows, running: List[Sequence]) -> None:
-        for r in rows:
+    def after_step(self, stats: StepStats, seqs: Iterable[Sequence]) -> None:
+        for r in stats.rows:
             seq, st = r.seq, r.seq.kv_stats
             blocks = len(seq.block_ids)
             st["peak_blocks"] = max(st.get("peak_blocks", 0), blocks)
@@ -21,16 +22,19 @@ class KVMonitor:
                 st["decode_block_steps"] = st.get("decode_block_steps", 0) + blocks
                 st["decode_steps"] = st.get("decode_steps", 0) + 1
         tt = self.bm.token_table
-        self.live_tokens = sum(tt.num_live(s.seq_id) for s in running if s.seq_id in tt)
+        self.live_tokens = sum(tt.num_live(s.seq_id) for s in seqs)
         used = self.bm.pool.num_used
         if used:
             self.steps += 1
             self.util_sum += self.live_tokens / (used * self.bm.block_size)
 
     def on_finish(self, seq: Sequence) -> None:
+        """Final per-request figures, taken while the request still holds its KV."""
         st = seq.kv_stats
         st["blocks_at_finish"] = len(seq.block_ids)
-        st["live_tokens"] = self.bm.token_table.num_live(seq.seq_id)
+        st["live_tokens"] = self.bm.token_table.num_live(seq.seq_id) \
+            if seq.seq_id in self.bm.token_table else 0
+        st.setdefault("peak_blocks", st["blocks_at_finish"])
         st.setdefault("evicted_tokens", 0)
         st.setdefault("relocated_tokens", 0)
         steps = st.get("decode_steps", 0)

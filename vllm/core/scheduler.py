@@ -4,13 +4,18 @@ Each step hands out a token budget (--max-num-batched-tokens): running sequences
 decode token each, or the next chunk of an unfinished prefill), then waiting sequences in
 arrival order. When blocks run out, the most recently admitted running sequence is preempted:
 its blocks and token table are freed and it is prefilled again later (prompt + generated).
+
+Under eviction a request's logical length can exceed the pool. Its re-prefill then runs in
+bounded chunks and evicts after each (KVManager.recompute_chunk); a request that cannot grow
+even with the pool to itself is finished as FINISHED_KV_EXHAUSTED, never retried forever.
 """
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterable, List, Tuple
+from typing import Deque, Iterable, List, Optional, Tuple
 
 from vllm.config import SchedulerConfig
-from vllm.core.block_manager import BlockManager
+from vllm.core.kv_manager import KVManager
+from vllm.core.reclaim.backend import CopyBatch
 from vllm.sequence import Sequence, SequenceStatus
 
 
@@ -18,7 +23,8 @@ from vllm.sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     scheduled: List[Tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
     preempted: List[Sequence] = field(default_factory=list)
-    ended: List[Sequence] = field(default_factory=list)   # could never grow: finished as "length"
+    ended: List[Sequence] = field(default_factory=list)     # finished here (KV exhausted)
+    copies: Optional[CopyBatch] = None                      # relocation copies for the worker
 
     @property
     def is_empty(self) -> bool:
@@ -26,11 +32,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 headroom_blocks: int = 0):
+    def __init__(self, config: SchedulerConfig, kv: KVManager):
         self.config = config
-        self.block_manager = block_manager
-        self.headroom_blocks = headroom_blocks    # kept free for relocation before admitting
+        self.kv = kv
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []
         self.num_preemptions = 0
@@ -51,9 +55,9 @@ class Scheduler:
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self.block_manager.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.kv.free(seq)
         seq.status = status
         seq.finish_reason = "abort" if status == SequenceStatus.FINISHED_ABORTED else status.value
 
@@ -63,17 +67,21 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.copies = self.kv.take_copies()
         return out
 
+    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
+        bound = self.kv.recompute_chunk(seq)
+        return min(remaining, budget, bound if bound is not None else remaining)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        bm = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, n, out):
-                break
-            bm.append_slots(seq, n)
+                continue             # seq left the running list; the next one slid into i
+            self.kv.append_slots(seq, n)
             out.scheduled.append((seq, n))
             budget -= n
             i += 1
@@ -81,39 +89,46 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of the running list until seq can append n tokens."""
-        while not self.block_manager.can_append(seq, n):
-            victim = self.running.pop()
-            if victim is seq and not self.running:
-                # Alone and still out of blocks: it can never grow further.
-                self.running.append(seq)
-                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
-                out.ended.append(seq)
+        while not self.kv.can_append(seq, n):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                if not self.kv.busy_blocks(seq.seq_id):   # no relocation about to free blocks
+                    self._exhausted(seq, out)              # alone and still out of blocks
                 return False
+            self.running.pop()
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
 
+    def _exhausted(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.finish(seq, SequenceStatus.FINISHED_KV_EXHAUSTED)
+        out.ended.append(seq)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.block_manager.free(seq)
+        self.kv.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        bm = self.block_manager
+        kv = self.kv
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = bm.computed_blocks(seq)
-            remaining = seq.num_tokens - len(hits) * bm.block_size
-            n = min(remaining, budget)
-            if n < remaining and not self.config.enable_chunked_prefill:
+            hits = kv.computed_blocks(seq)
+            remaining = seq.num_tokens - len(hits) * kv.block_size
+            n = self._chunk(seq, remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill \
+                    and kv.recompute_chunk(seq) is None:
                 break
-            if not bm.can_allocate(seq, hits, n, reserve=self.headroom_blocks):
+            if not kv.can_allocate(seq, hits, n):
+                if not self.running and not out.scheduled:
+                    self._exhausted(self.waiting[0], out)   # the whole pool is not enough
+                    continue
                 break
             self.waiting.popleft()
-            bm.allocate(seq, hits, n)
+            kv.allocate(seq, hits, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

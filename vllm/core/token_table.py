@@ -13,6 +13,18 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import numpy as np
 
 
+def block_positions(slots: np.ndarray, blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """Index in `blocks` of each slot's block, -1 where the block is not among them: the one
+    slot-to-block lookup (a table over block ids, no sort). Slots must be >= 0."""
+    # blocks [9, 4], block_size 4, slots [37, 16, 5] -> their blocks [9, 4, 1] -> [0, 1, -1]
+    slot_blocks = np.asarray(slots, np.int64) // block_size
+    blocks = np.asarray(blocks, np.int64)
+    size = max(int(slot_blocks.max(initial=-1)), int(blocks.max(initial=-1))) + 1
+    table = np.full(size, -1, np.int64)
+    table[blocks] = np.arange(len(blocks))
+    return table[slot_blocks]
+
+
 class _Entry:
     __slots__ = ("slot", "live", "length", "num_live", "tail_block", "tail_fill", "version")
 
@@ -187,16 +199,11 @@ class TokenTable:
         e = self._entries[req_id]
         return e.slot[:e.length]
 
-    def block_occupancy(self, req_id: str, block_ids: Iterable[int]) -> np.ndarray:
+    def block_occupancy(self, req_id: str, block_ids: Sequence[int]) -> np.ndarray:
         """Live tokens per block, aligned with block_ids (tokens in other blocks are ignored)."""
-        block_ids = np.asarray(list(block_ids), dtype=np.int64)
-        if len(block_ids) == 0:
-            return np.zeros(0, dtype=np.int64)
-        live_blocks = self.live_slots(req_id).astype(np.int64) // self.block_size
-        # live tokens per block id, read in block_ids' order:
-        # block_ids [9, 4, 7], live tokens in blocks [4, 4, 9] -> counts[4] = 2, [9] = 1 -> [1, 2, 0]
-        counts = np.bincount(live_blocks, minlength=int(block_ids.max()) + 1)
-        return counts[block_ids]
+        pos = block_positions(self.live_slots(req_id), block_ids, self.block_size)
+        # block_ids [9, 4, 7], live tokens in blocks [4, 4, 9] -> pos [1, 1, 0] -> [1, 2, 0]
+        return np.bincount(pos[pos >= 0], minlength=len(block_ids))
 
     # ---- invariant I2 -----------------------------------------------------------------------
     def check_invariants(self, req_id: str, block_ids: Sequence[int]) -> None:

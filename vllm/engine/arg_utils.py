@@ -10,8 +10,8 @@ _KV_FIELDS = {  # EngineArgs field -> KVEvictionConfig field
     "kv_eviction_policy": "policy", "kv_eviction_ratio": "eviction_ratio",
     "kv_budget_tokens": "budget_tokens", "kv_sink_tokens": "sink_tokens",
     "kv_recent_fraction": "recent_fraction", "kv_reclamation": "reclamation",
-    "kv_frag_threshold": "frag_threshold", "kv_reclaim_headroom_blocks": "reclaim_headroom_blocks",
-    "kv_check_invariants": "check_invariants", "kv_reclaim_force_sync": "reclaim_force_sync",
+    "kv_frag_threshold": "frag_threshold", "kv_check_invariants": "check_invariants",
+    "kv_eviction_log": "keep_eviction_log", "kv_reclaim_force_sync": "reclaim_force_sync",
     "seed": "seed",
 }
 
@@ -39,8 +39,8 @@ class EngineArgs:
     kv_recent_fraction: float = 0.5
     kv_reclamation: str = "vtoken"
     kv_frag_threshold: float = 0.25
-    kv_reclaim_headroom_blocks: int = 1
     kv_check_invariants: bool = False
+    kv_eviction_log: bool = False          # keep Sequence.eviction_log (debugging, tests)
     kv_reclaim_force_sync: bool = False
 
     def eviction_config(self) -> KVEvictionConfig:
@@ -78,8 +78,9 @@ class EngineArgs:
             help="vtoken: repack partially live blocks; vtoken-fill: also write new tokens into "
                  "dead slots first; none: Naive-Evict")
         add("--kv-frag-threshold", type=float, default=0.25)
-        add("--kv-reclaim-headroom-blocks", type=int, default=1)
         add("--kv-check-invariants", action="store_true")
+        add("--kv-eviction-log", action="store_true",
+            help="debugging: keep every evicted token id per request (memory grows with length)")
         add("--kv-reclaim-force-sync", action="store_true",
             help="ablation: wait for every relocation copy instead of polling its event")
         return parser

@@ -260,7 +260,7 @@ class AsyncLLMEngine:
 
     def _snapshot(self) -> Dict[str, float]:
         e = self.engine
-        bm = e.block_manager
+        bm = e.kv.bm
         snap = dict(e.get_kv_stats())
         tt = bm.token_table   # live tokens now (the monitor's figure is as of the last step)
         live = sum(tt.num_live(s.seq_id) for s in e.scheduler.running if s.seq_id in tt)

@@ -1,4 +1,5 @@
 """LLMEngine: add requests, step the scheduler + model + sampler, return RequestOutputs."""
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -8,12 +9,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig
-from vllm.core.block_manager import BlockManager
-from vllm.core.kv_monitor import KVMonitor
-from vllm.core.eviction_driver import EvictionDriver
-from vllm.core.reclaim.admission import HeadroomAdmission
-from vllm.core.reclaim.backend import ReclamationBackend
-from vllm.core.reclaim.hole_filler import HoleFiller
+from vllm.core.kv_manager import KVManager
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.stop_checker import StopChecker
@@ -27,6 +23,7 @@ from vllm.worker.model_runner import ModelRunner, StepRow
 from vllm.worker.relocation import RelocationExecutor
 
 PromptType = Union[str, Dict, List[int]]
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,36 +71,34 @@ class LLMEngine:
             (cfg.num_hidden_layers, num_blocks * args.block_size, 2, cfg.num_key_value_heads,
              cfg.head_dim)
         self.kv_caches = torch.zeros(shape, dtype=DTYPES[self.model_config.dtype])
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        headroom = HeadroomAdmission(self.kv_config).reserve()
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, headroom)
-        self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager.token_table,
+        self.kv = KVManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                            self.kv_config, cfg.num_hidden_layers * cfg.num_attention_heads)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.kv.token_table,
                                   self.scheduler_config.max_num_batched_tokens,
                                   self.scheduler_config.max_num_seqs, max_len)
-        self.kv_monitor = KVMonitor(self.block_manager)
+        if self.kv_config.reclaims:
+            self.runner.relocation = RelocationExecutor(
+                self.kv_caches, force_sync=self.kv_config.reclaim_force_sync,
+                check=self.kv_config.check_invariants)
         self.sampler = Sampler()
         self.stop_checker = StopChecker(self.tokenizer, max_len)
         self.requests: Dict[str, RequestState] = {}
-        self.eviction = None
-        self.reclaimer = None
-        if self.kv_config.enabled:
-            self.eviction = EvictionDriver(self.kv_config, self.block_manager,
-                                           cfg.num_hidden_layers * cfg.num_attention_heads)
-        if self.kv_config.reclaims:
-            self.set_relocation_executor(
-                RelocationExecutor(self.kv_caches, force_sync=self.kv_config.reclaim_force_sync))
+        self._warn_if_pool_short(num_blocks * args.block_size)
+
+    def _warn_if_pool_short(self, pool_tokens: int) -> None:
+        if self.max_model_len <= pool_tokens:
+            return
+        logger.warning(
+            "--max-model-len %d exceeds the KV pool (%d tokens): a request that grows past the "
+            "pool is finished with finish_reason %r%s", self.max_model_len, pool_tokens,
+            SequenceStatus.FINISHED_KV_EXHAUSTED.value,
+            "" if self.kv_config.enabled else " (no eviction policy bounds it)")
 
     def set_relocation_executor(self, executor) -> None:
         """Install the copy executor (tests install one whose completion is delayed)."""
         assert self.kv_config.reclaims and not self.requests, "set the executor before requests"
-        if self.reclaimer is not None:
-            self.block_manager.before_free.remove(self.reclaimer.before_free)
-        self.reclaimer = ReclamationBackend(self.kv_config, self.block_manager, executor,
-                                            self.kv_config.check_invariants)
-        self.eviction.busy_blocks = self.reclaimer.busy_blocks
-        if self.kv_config.fills_holes:
-            self.block_manager.hole_filler = HoleFiller(self.block_manager)
-            self.block_manager.hole_filler.busy_blocks = self.reclaimer.busy_blocks
+        self.runner.relocation = executor
 
     @staticmethod
     def _load_tokenizer(path: str, load_format: str):
@@ -177,7 +172,7 @@ class LLMEngine:
         if len(ids) > self.max_model_len:
             raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum "
                              f"model length of {self.max_model_len}")
-        usable = self.block_manager.num_blocks - self.scheduler.headroom_blocks
+        usable = self.kv.num_blocks
         needed = -(-len(ids) // self.cache_config.block_size)
         if needed > usable:
             raise ValueError(f"The prompt (length {len(ids)}) needs {needed} KV blocks but only "
@@ -200,33 +195,21 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
         sched = self.scheduler.schedule()
+        self.kv.copies_done(self.runner.relocate(sched.copies))
         changed = {s.request_id for s in sched.ended}
         if sched.scheduled:
-            collect = self.eviction is not None and self.eviction.needs_stats
-            inp = self.runner.prepare_inputs(sched.scheduled, collect_stats=collect)
-            if self.reclaimer is not None:   # I3: attention waits on completed copies (stream wait)
-                self.reclaimer.executor.pre_attention()
+            inp = self.runner.prepare_inputs(sched.scheduled,
+                                             self.kv.score_request(sched.scheduled))
             hidden = self.runner.execute(inp)
             self._record_prompt_logprobs(inp.rows, hidden)
             sample_rows = [r for r in inp.rows if r.completes]
             for r in inp.rows:
                 r.seq.num_computed_tokens += r.num_new
-                self.block_manager.cache_full_blocks(r.seq)
-            self._manage_kv(inp.rows, inp.meta)
+            self.kv.after_step(self.runner.step_stats(inp))
             if sample_rows:
                 self._sample(sample_rows, hidden)
             changed.update(r.seq.request_id for r in sample_rows)
         return self._collect_outputs(changed)
-
-    def _manage_kv(self, rows: List[StepRow], meta) -> None:
-        """Eviction, then reclamation, then per-request KV statistics (and invariant checks)."""
-        if self.eviction is not None:
-            self.eviction.after_step(rows, meta)
-        if self.reclaimer is not None:
-            self.reclaimer.step(self.scheduler.running)
-        self.kv_monitor.after_step(rows, self.scheduler.running)
-        if self.kv_config.check_invariants:
-            self.check_invariants()
 
     @torch.inference_mode()
     def _sample(self, rows: List[StepRow], hidden: torch.Tensor) -> None:
@@ -246,7 +229,6 @@ class LLMEngine:
                 seq.output_logprobs.append(lps)
             status = self.stop_checker.check(seq, stream=self.requests[seq.request_id].stream)
             if status is not None:
-                self.kv_monitor.on_finish(seq)
                 self.scheduler.finish(seq, status)
 
     @torch.inference_mode()
@@ -307,29 +289,19 @@ class LLMEngine:
                              first.prompt_logprobs, completions, finished,
                              dict(first.kv_stats), metrics)
 
-    # ---- KV statistics and invariants ---------------------------------------------------------------------------
+    # ---- KV statistics and invariants ----------------------------------------------------------
     def get_kv_stats(self) -> Dict[str, float]:
-        stats = self.kv_monitor.stats()
+        stats = self.kv.stats()
         stats["translation_rebuilds"] = self.runner.translation.rebuilds
-        stats["evicted_tokens"] = self.eviction.evicted_tokens if self.eviction else 0
         stats["preemptions"] = self.scheduler.num_preemptions
-        reclaim = self.reclaimer.stats() if self.reclaimer else {}
-        filler = self.block_manager.hole_filler
-        stats["hole_slots_reused"] = filler.slots_reused if filler else 0
-        for key in ("relocation_events", "relocated_tokens", "bytes_moved", "blocks_reclaimed",
-                    "planner_time_s", "copy_time_s", "table_rewrite_time_s", "copy_launches",
-                    "copy_blocked_s"):
-            stats[key] = reclaim.get(key, 0)
+        if self.runner.relocation is not None:
+            stats.update(self.runner.relocation.stats())
         return stats
 
     def check_invariants(self) -> None:
-        """I2 for every running request, plus block accounting (I1 is checked per relocation)."""
-        for seq in self.scheduler.running:
-            self.block_manager.token_table.check_invariants(seq.seq_id, seq.block_ids)
-        self.check_accounting()
+        """I2, the prefix-cache rule and block accounting (I1 is checked per copy batch)."""
+        self.kv.check_invariants()
+        running = {s.seq_id for s in self.scheduler.running}
+        assert running == set(self.kv.seqs), "running sequences and KV holders disagree"
 
-    def check_accounting(self) -> None:
-        self.block_manager.check_accounting(self.scheduler.running)
-        live = {s.seq_id for s in self.scheduler.running}
-        tables = set(self.block_manager.token_table.request_ids())
-        assert tables == live, f"token tables {sorted(tables - live)} outlive their requests"
+    check_accounting = check_invariants

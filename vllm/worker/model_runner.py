@@ -5,17 +5,24 @@ Write slots and attention views both come from the token table, never from posit
     positions     logical ids of this step's tokens (RoPE; they never change)
     slot_mapping  token_table slots of this step's tokens (where their K/V is written)
     views         token_table live slots, in logical order (what attention reads)
+
+The runner is the worker side of the KV plane: it owns the relocation executor, submits the
+copies that come with each scheduler output, reports completed batches, and hands the step's
+attention statistics back as plain arrays (StepStats).
 """
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import numpy as np
 import torch
 
 from vllm.attention.backend import AttentionMetadata, PrefillSpan
+from vllm.core.reclaim.backend import CopyBatch
+from vllm.core.step_stats import ScoreRequest, SeqStepStats, StepStats
 from vllm.core.token_table import TokenTable
 from vllm.sequence import Sequence
 from vllm.worker.input_buffers import InputBuffers
+from vllm.worker.relocation import RelocationExecutor
 from vllm.worker.translation_cache import TranslationCache
 
 
@@ -51,9 +58,18 @@ class ModelRunner:
         self.translation = TranslationCache(token_table)
         # persistent inputs, rewritten in place every step (what CUDA graph replay needs)
         self.buffers = InputBuffers(max_tokens, max_seqs, max_model_len, kv_caches.device)
+        self.relocation: Optional[RelocationExecutor] = None     # set where vToken reclaims
 
+    # ---- relocation copies (with the scheduler output) ----------------------------------------
+    def relocate(self, copies: Optional[CopyBatch]) -> Set[int]:
+        """This step's copies -> ids of batches completed since the last call (see
+        RelocationExecutor.execute); nothing where vToken does not reclaim."""
+        return set() if self.relocation is None else self.relocation.execute(copies)
+
+    # ---- model step ---------------------------------------------------------------------------
     def prepare_inputs(self, scheduled: List[Tuple[Sequence, int]],
-                       collect_stats: bool = False) -> ModelInput:
+                       scores: Optional[ScoreRequest] = None) -> ModelInput:
+        scores = scores or ScoreRequest()
         tt = self.token_table
         if len(self.translation) > len(scheduled):
             self.translation.retain(s.seq_id for s, _ in scheduled)
@@ -73,7 +89,11 @@ class ModelRunner:
             if is_decode:
                 views.append(view_slots)
             else:
-                prefill_spans.append(self._prefill_span(start, n, c, view_ids, view_slots))
+                span = self._prefill_span(start, n, c, view_ids, view_slots)
+                first = scores.prefill_from.get(seq.seq_id)
+                if first is not None:
+                    span.colsum, span.colsum_from = torch.zeros(len(view_ids)), first
+                prefill_spans.append(span)
             stats_row = i if is_decode else len(prefill_spans) - 1
             rows.append(StepRow(seq, n, start, view_ids, stats_row, is_decode))
             start += n
@@ -82,10 +102,9 @@ class ModelRunner:
         input_ids, positions, slot_mapping, view_slots, view_lens = self.buffers.step_inputs()
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, num_decodes=len(decodes), decode_views=view_slots,
-            decode_lens=view_lens, prefills=prefill_spans, collect_stats=collect_stats)
-        if collect_stats:
+            decode_lens=view_lens, prefills=prefill_spans)
+        if scores.decode and decodes:
             meta.decode_mass = torch.zeros(view_slots.shape, dtype=torch.float32)
-            meta.prefill_colsum = [torch.zeros(len(p.kv_slots)) for p in prefill_spans]
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta, rows=rows)
 
     @staticmethod
@@ -101,3 +120,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
         return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+
+    @staticmethod
+    def step_stats(inp: ModelInput) -> StepStats:
+        """The step's attention statistics per sequence, as numpy arrays by view position."""
+        meta, rows = inp.meta, []
+        for r in inp.rows:
+            scores = None
+            if r.is_decode and meta.decode_mass is not None:
+                scores = meta.decode_mass[r.stats_row, :len(r.view_ids)].numpy()
+            elif not r.is_decode and meta.prefills[r.stats_row].colsum is not None:
+                scores = meta.prefills[r.stats_row].colsum.numpy()
+            rows.append(SeqStepStats(r.seq, r.num_new, r.is_decode, r.view_ids, scores))
+        return StepStats(rows)

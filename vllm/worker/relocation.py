@@ -3,15 +3,17 @@
     kv_caches  [num_layers, num_slots, 2, kv_heads, head_dim]
     kv_caches[:, dst] = kv_caches[:, src]        one batched gather/scatter over every layer
 
-Protocol (one event per submitted batch; the reclamation backend drives it):
+Protocol (one event per batch; the batches come with the scheduler output, see
+core/reclaim/backend.py):
 
-    engine step k   forward ... -> backend.step: executor.step(); poll event.query();
-                                   completed -> apply_moves + free blocks; plan; submit(src, dst)
-    engine step k+1 prepare_inputs -> executor.pre_attention() -> forward (attention) ...
+    engine step k   after the forward the KV manager plans relocation (pending)
+    engine step k+1 schedule -> CopyBatch -> runner.relocate: fence, submit(id, src, dst), poll
+                    -> completed ids -> KV manager: apply_moves + free blocks
+                    -> executor.pre_attention() -> prepare_inputs -> forward (attention) ...
 
-On CUDA the copy runs on a side stream that first waits for the compute stream (the sources may
-have been written by this very step's forward), and records an event. Nothing on the host waits:
-the backend polls `query()`, and only a completed batch has its moves applied, so attention
+On CUDA the copy runs on a side stream that first waits for the compute stream (the sources were
+written by earlier forwards), and records an event. Nothing on the host waits: the runner
+polls `query()`, and only a completed batch has its moves applied, so attention
 reads the old slots until then. `pre_attention()` makes the compute stream wait (a stream wait,
 never a device synchronize) on the batches completed since the last call, i.e. on every batch
 whose new slots the next attention may read (I3). Batches complete in submission order on the
@@ -22,7 +24,7 @@ is synchronous and the event completes at once: the same state machine, with no-
 is `blocked_time`. `DelayedRelocationExecutor` (tests) lands each copy N steps after submit.
 """
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Set
 
 import torch
 
@@ -76,30 +78,46 @@ class CudaCopyEvent(CopyEvent):
 
 
 class RelocationExecutor:
+    """Copy batches by id: submit(id, src, dst), poll() -> completed ids, fence(ids).
+
+    check=True (--kv-check-invariants) verifies I1 on every batch as it completes: the
+    destination slots hold exactly the bytes the source slots held at submit, in every layer.
+    """
+
     def __init__(self, kv_caches: torch.Tensor, force_sync: bool = False,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, check: bool = False):
         self.kv_caches = kv_caches
         self.force_sync = force_sync
         self.backend = backend                 # None: _custom_ops picks (see its table)
+        self.check = check
         self.stream = torch.cuda.Stream(kv_caches.device) if kv_caches.is_cuda else None
         self.copy_time = 0.0                   # host seconds inside submit (CPU: the copy itself)
         self.blocked_time = 0.0                # host seconds blocked waiting for the device
         self.device_time = 0.0                 # device seconds of completed copies (CUDA)
         self.launches = 0
+        self.slots_moved = 0
         self.newest_completed: Optional[CudaCopyEvent] = None   # since the last pre_attention
+        self.in_flight: Dict[int, CopyEvent] = {}
+        self._before: Dict[int, tuple] = {}    # I1: batch id -> (dst, payload at submit)
 
-    def submit(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
+    def submit(self, batch_id: int, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
+        if self.check:
+            self._before[batch_id] = (dst.clone(), self.kv_caches[:, src].clone())
         t0 = time.perf_counter()
-        if self.stream is None:
-            ops.relocate_kv(self.kv_caches, src, dst, self.backend)
-            event = CopyEvent(done=True)
-        else:
-            event = self._submit_cuda(src, dst)
+        event = self._launch(src, dst)
         self.copy_time += time.perf_counter() - t0
         self.launches += 1
+        self.slots_moved += len(src)
         if self.force_sync:
             event.synchronize()
+        self.in_flight[batch_id] = event
         return event
+
+    def _launch(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
+        if self.stream is None:
+            ops.relocate_kv(self.kv_caches, src, dst, self.backend)
+            return CopyEvent(done=True)
+        return self._submit_cuda(src, dst)
 
     def _submit_cuda(self, src: torch.Tensor, dst: torch.Tensor) -> CudaCopyEvent:
         device = self.kv_caches.device
@@ -114,19 +132,55 @@ class RelocationExecutor:
             end.record()
         return CudaCopyEvent(self, self.launches, start, end, keepalive=idx)
 
+    def execute(self, copies) -> Set[int]:
+        """One engine step's worth: fence, submit the step's CopyBatch (may be None), poll ->
+        ids of batches completed since the last call; the next attention waits on them (I3)."""
+        if copies is not None:
+            self.fence(copies.fence)
+            if copies.batch_id is not None:
+                self.submit(copies.batch_id, torch.from_numpy(copies.src),
+                            torch.from_numpy(copies.dst))
+        done = self.poll()
+        self.pre_attention()
+        return done
+
     def step(self) -> None:
-        """Called once per engine step, before the backend polls (advances simulated delays)."""
+        """Called once per engine step, before polling (advances simulated delays)."""
+
+    def poll(self) -> Set[int]:
+        self.step()
+        done = {b for b, e in self.in_flight.items() if e.query()}
+        for b in done:
+            del self.in_flight[b]
+            if self.check:
+                self._check_conservation(b)
+        return done
+
+    def fence(self, batch_ids: List[int]) -> None:
+        """Blocks of these batches' requests were freed: order the next writer after them."""
+        for b in batch_ids:
+            event = self.in_flight.get(b)
+            if event is not None:
+                event.wait()
+
+    def _check_conservation(self, batch_id: int) -> None:
+        dst, before = self._before.pop(batch_id)
+        if not torch.equal(self.kv_caches[:, dst], before):
+            raise AssertionError(f"relocation batch {batch_id}: I1 violated, the moved tokens' "
+                                 f"K/V differ from their sources")
 
     def pre_attention(self, stream=None) -> None:
         """Call before the next attention (or graph replay): the compute stream waits on the
-        batches completed since the last call, whose moves the backend may have applied."""
+        batches completed since the last call, whose moves the KV manager may have applied."""
         if self.newest_completed is not None:
             self.newest_completed.wait(stream)
             self.newest_completed = None
 
     def stats(self) -> dict:
+        slot_bytes = self.kv_caches[:, 0].numel() * self.kv_caches.element_size()
         return {"copy_launches": self.launches, "copy_time_s": self.copy_time,
-                "copy_blocked_s": self.blocked_time, "copy_device_s": self.device_time}
+                "copy_blocked_s": self.blocked_time, "copy_device_s": self.device_time,
+                "bytes_moved": self.slots_moved * slot_bytes}
 
 
 class _DelayedEvent(CopyEvent):
@@ -151,20 +205,20 @@ class DelayedRelocationExecutor(RelocationExecutor):
     """The copy lands N engine steps after submit (0: at once). Until then the destination
     slots hold poison (NaN), so any attention that read them early would corrupt the output."""
 
-    def __init__(self, kv_caches: torch.Tensor, delay_steps: int):
-        super().__init__(kv_caches)
+    def __init__(self, kv_caches: torch.Tensor, delay_steps: int, check: bool = True):
+        super().__init__(kv_caches, check=check)
         self.delay_steps = delay_steps
         self.pending: List[_DelayedEvent] = []
+        self.fresh: List[_DelayedEvent] = []      # submitted this step: their count starts next
         self.landed = 0
 
-    def submit(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
-        self.launches += 1
+    def _launch(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
         self.kv_caches[:, dst] = float("nan")
         event = _DelayedEvent(self, src.clone(), dst.clone(), self.delay_steps)
         if self.delay_steps <= 0:
             event.land()
         else:
-            self.pending.append(event)
+            self.fresh.append(event)
         return event
 
     def step(self) -> None:
@@ -172,4 +226,5 @@ class DelayedRelocationExecutor(RelocationExecutor):
             event.steps_left -= 1
             if event.steps_left <= 0:
                 event.land()
-        self.pending = [e for e in self.pending if not e.query()]
+        self.pending = [e for e in self.pending + self.fresh if not e.query()]
+        self.fresh = []

@@ -1,66 +1,73 @@
-"""ReclamationBackend: eligibility -> plan -> one batched copy -> apply_moves -> free blocks.
+"""ReclamationBackend: eligibility -> plan -> copies for the worker -> apply_moves -> free blocks.
 
-Per step: poll in-flight copies (apply the moves and free emptied blocks of every completed
-plan), then plan eligible requests and submit all of this step's moves in one executor call.
-Until a copy completes, the token table keeps pointing at the source slots, so attention reads
-the old (still valid) copies; sources are not freed and destinations not reused before then.
+The copies themselves run in the worker (worker/relocation.py); this side only plans and keeps
+the books. One plan per request at a time, in three states:
+
+    after_step k   plan eligible requests                          -> pending
+    schedule k+1   take_copies(): one CopyBatch, sent with the scheduler output -> in flight
+    worker         submits the batch, later reports it complete
+    complete()     apply_moves, free the emptied blocks             -> done
+
+Until a copy completes the token table keeps pointing at the source slots, so attention reads
+the old (still valid) copies; sources are not freed and destinations not reused before then
+(their blocks are "busy": no eviction frees them, no hole filling writes them). A request that
+leaves with a batch in flight has its blocks freed at once; the worker is told to fence the
+batch (order the next forward after it) before anything can write those blocks again.
 """
+import itertools
 import time
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
 
 import numpy as np
-import torch
 
 from vllm.config import KVEvictionConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.reclaim.eligibility import candidate_blocks, is_eligible
 from vllm.core.reclaim.planner import BlockSnapshot, RelocationPlan, plan
+from vllm.core.token_table import block_positions
 from vllm.sequence import Sequence
 
 
 @dataclass
-class InFlight:
-    seq: Sequence
-    plan: RelocationPlan
-    event: object
-    kv_before: Optional[torch.Tensor] = None    # I1 check: payload of the plan-time live tokens
-    ids_before: Optional[np.ndarray] = None
+class CopyBatch:
+    """Relocation copies for the worker: kv[:, dst] = kv[:, src] in every layer, K and V."""
+    batch_id: Optional[int] = None           # None: no new copies, only fences
+    src: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    dst: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    fence: List[int] = field(default_factory=list)   # batches the next forward must wait for
 
 
 class ReclamationBackend:
-    def __init__(self, config: KVEvictionConfig, block_manager: BlockManager, executor,
-                 check_invariants: bool = False):
+    def __init__(self, config: KVEvictionConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
-        self.executor = executor
-        self.check_invariants = check_invariants
-        self.in_flight: Dict[str, InFlight] = {}
+        self.pending: Dict[str, RelocationPlan] = {}
+        self.in_flight: Dict[str, RelocationPlan] = {}
+        self.batch_of: Dict[str, int] = {}
+        self.fences: List[int] = []
+        self._batch_ids = itertools.count()
         self.events = 0
         self.tokens_moved = 0
         self.blocks_freed = 0
         self.planner_time = 0.0
         self.rewrite_time = 0.0
-        bytes_per_slot = executor.kv_caches[:, 0].numel() * executor.kv_caches.element_size()
-        self.bytes_per_token = bytes_per_slot
-        block_manager.before_free.append(self.before_free)
 
-    def busy_blocks(self, seq_id: str) -> set:
-        f = self.in_flight.get(seq_id)
-        if f is None:
+    def busy_blocks(self, seq_id: str) -> Set[int]:
+        p = self.pending.get(seq_id) or self.in_flight.get(seq_id)
+        if p is None:
             return set()
-        return set(f.plan.freed_blocks) | set(f.plan.dst_blocks)
+        return set(p.freed_blocks) | set(p.dst_blocks)
 
-    # ---- per step -----------------------------------------------------------------------------
-    def step(self, running: List[Sequence]) -> None:
-        self.executor.step()
-        self._complete_finished()
+    # ---- planning (after a step) ---------------------------------------------------------------
+    def plan_step(self, seqs: List[Sequence]) -> None:
         t0 = time.perf_counter()
-        plans = [p for p in (self._plan(s) for s in running if s.seq_id not in self.in_flight) if p]
+        for seq in seqs:
+            if seq.seq_id not in self.pending and seq.seq_id not in self.in_flight:
+                p = self._plan(seq)
+                if p is not None:
+                    self.pending[seq.seq_id] = p
         self.planner_time += time.perf_counter() - t0
-        if plans:
-            self._submit(plans, {s.seq_id: s for s in running})
-            self._complete_finished()
 
     def _plan(self, seq: Sequence) -> Optional[RelocationPlan]:
         blocks = candidate_blocks(seq, self.bm, busy=set())
@@ -68,73 +75,58 @@ class ReclamationBackend:
             return None
         tt, bs = self.bm.token_table, self.bm.block_size
         ids, slots = tt.live_ids(seq.seq_id), tt.live_slots(seq.seq_id).astype(np.int64)
-        # which live slots lie in a candidate block: a lookup table over block ids, not a sort
-        is_candidate = np.zeros(max(int(slots.max(initial=0)) // bs, int(blocks.max())) + 1, bool)
-        is_candidate[blocks] = True
-        inside = is_candidate[slots // bs]
+        inside = block_positions(slots, blocks, bs) >= 0
         if not is_eligible(seq, len(blocks), int(inside.sum()), bs, self.config.frag_threshold):
             return None
         snap = BlockSnapshot(seq.seq_id, tt.version(seq.seq_id), blocks, ids[inside],
-                             slots[inside], bs)
+                             slots[inside], bs, receivable=~self.bm.cached_mask(blocks))
         return plan(snap)
 
-    def _submit(self, plans: List[RelocationPlan], seqs: Dict[str, Sequence]) -> None:
-        src = torch.from_numpy(np.concatenate([p.src_slots for p in plans]))
-        dst = torch.from_numpy(np.concatenate([p.dst_slots for p in plans]))
-        snapshots = {p.seq_id: self._payload(p.seq_id) for p in plans} if self.check_invariants \
-            else {}
-        for p in plans:      # receiving blocks stop matching their prefix-cache hash
-            for b in p.dst_blocks:
-                self.bm.pool.uncache(b)
-        event = self.executor.submit(src, dst)
-        for p in plans:
-            kv, ids = snapshots.get(p.seq_id, (None, None))
-            self.in_flight[p.seq_id] = InFlight(seqs[p.seq_id], p, event, kv, ids)
-            self.events += 1
-            self.tokens_moved += len(p.token_ids)
+    # ---- copies (with the scheduler output) ----------------------------------------------------
+    def take_copies(self) -> Optional[CopyBatch]:
+        batch = CopyBatch(fence=self.fences)
+        self.fences = []
+        if self.pending:
+            plans = list(self.pending.values())
+            batch.batch_id = next(self._batch_ids)
+            batch.src = np.concatenate([p.src_slots for p in plans]).astype(np.int64)
+            batch.dst = np.concatenate([p.dst_slots for p in plans]).astype(np.int64)
+            for p in plans:
+                self.in_flight[p.seq_id] = p
+                self.batch_of[p.seq_id] = batch.batch_id
+                self.events += 1
+                self.tokens_moved += len(p.token_ids)
+            self.pending = {}
+        return batch if batch.batch_id is not None or batch.fence else None
 
-    def _complete_finished(self) -> None:
-        for seq_id in [s for s, f in self.in_flight.items() if f.event.query()]:
-            f = self.in_flight.pop(seq_id)
-            t0 = time.perf_counter()
-            tt = self.bm.token_table
-            assert (tt.slots(seq_id, 0, tt.length(seq_id))[f.plan.token_ids] == f.plan.src_slots).all(), \
+    def complete(self, batch_ids: Set[int], seqs: Dict[str, Sequence]) -> None:
+        """Batches the worker reports done: repoint their tokens, free the emptied blocks."""
+        t0 = time.perf_counter()
+        tt = self.bm.token_table
+        for seq_id in [s for s, b in self.batch_of.items() if b in batch_ids]:
+            p, seq = self.in_flight.pop(seq_id), seqs[seq_id]
+            del self.batch_of[seq_id]
+            assert (tt.all_slots(seq_id)[p.token_ids] == p.src_slots).all(), \
                 f"request {seq_id}: I4 violated, planned tokens moved by someone else"
-            tt.apply_moves(seq_id, f.plan.moves)
-            self.bm.free_blocks(f.seq, f.plan.freed_blocks)
-            self.blocks_freed += len(f.plan.freed_blocks)
-            f.seq.kv_stats["relocated_tokens"] = \
-                f.seq.kv_stats.get("relocated_tokens", 0) + len(f.plan.token_ids)
-            self.rewrite_time += time.perf_counter() - t0
-            if f.kv_before is not None:
-                self._check_conservation(f)
+            tt.apply_moves(seq_id, p.moves)
+            self.bm.free_blocks(seq, p.freed_blocks)
+            self.blocks_freed += len(p.freed_blocks)
+            seq.kv_stats["relocated_tokens"] = \
+                seq.kv_stats.get("relocated_tokens", 0) + len(p.token_ids)
+        self.rewrite_time += time.perf_counter() - t0
 
-    def before_free(self, seq: Sequence) -> None:
-        """A request leaving (finish, abort, preemption) waits for its copy, then drops the plan."""
-        f = self.in_flight.pop(seq.seq_id, None)
-        if f is not None:     # the blocks' next writer runs on the compute stream: order it after
-            f.event.wait()
+    def drop(self, seq: Sequence) -> None:
+        """A request leaves (finish, abort, preemption): forget its plan; fence a sent batch."""
+        self.pending.pop(seq.seq_id, None)
+        if self.in_flight.pop(seq.seq_id, None) is not None:
+            self.fences.append(self.batch_of.pop(seq.seq_id))
 
-    # ---- invariant I1 -------------------------------------------------------------------------
-    def _payload(self, seq_id: str):
-        tt = self.bm.token_table
-        ids = tt.live_ids(seq_id).copy()
-        slots = torch.from_numpy(tt.live_slots(seq_id).astype(np.int64))
-        return self.executor.kv_caches[:, slots].clone(), ids
-
-    def _check_conservation(self, f: InFlight) -> None:
-        tt = self.bm.token_table
-        now_ids = tt.live_ids(f.plan.seq_id)
-        still = np.isin(f.ids_before, now_ids)
-        slots = tt.slots(f.plan.seq_id, 0, tt.length(f.plan.seq_id))[f.ids_before[still]]
-        after = self.executor.kv_caches[:, torch.from_numpy(slots.astype(np.int64))]
-        if not torch.equal(after, f.kv_before[:, torch.from_numpy(still)]):
-            raise AssertionError(f"request {f.plan.seq_id}: I1 violated, live tokens' K/V changed "
-                                 f"across relocation")
+    @staticmethod
+    def idle_stats() -> Dict[str, float]:
+        """The figures of a backend that never ran (Native, Naive-Evict)."""
+        return ReclamationBackend(None, None).stats()
 
     def stats(self) -> Dict[str, float]:
         return {"relocation_events": self.events, "relocated_tokens": self.tokens_moved,
-                "bytes_moved": self.tokens_moved * self.bytes_per_token,
                 "blocks_reclaimed": self.blocks_freed, "planner_time_s": self.planner_time,
-                "copy_time_s": self.executor.copy_time, "table_rewrite_time_s": self.rewrite_time,
-                "copy_launches": self.executor.launches}
+                "table_rewrite_time_s": self.rewrite_time}

@@ -1,11 +1,13 @@
 """Stage 1, eligibility: which running requests are worth planning this step."""
+from typing import Set
+
 import numpy as np
 
 from vllm.core.block_manager import BlockManager
 from vllm.sequence import Sequence
 
 
-def candidate_blocks(seq: Sequence, bm: BlockManager, busy: set) -> np.ndarray:
+def candidate_blocks(seq: Sequence, bm: BlockManager, busy: Set[int]) -> np.ndarray:
     """Blocks a plan may touch: private, not the tail (still filling), not in an in-flight plan."""
     blocks = np.asarray(seq.block_ids, dtype=np.int64)
     keep = (blocks != bm.token_table.tail_block(seq.seq_id)) & ~bm.shared_mask(seq, blocks)

@@ -6,34 +6,33 @@ every eviction leaves exactly the hole the next token needs: the footprint stays
 copies. Only private blocks are written: never a shared or prefix-cached block, and never a
 block of an in-flight relocation plan (its holes are reserved as copy destinations).
 """
+from typing import Callable, Set
+
 import numpy as np
 
 from vllm.core.block_manager import BlockManager
+from vllm.core.token_table import block_positions
 from vllm.sequence import Sequence
 
 
 class HoleFiller:
-    def __init__(self, block_manager: BlockManager):
+    def __init__(self, block_manager: BlockManager, busy_blocks: Callable[[str], Set[int]]):
         self.bm = block_manager
-        self.busy_blocks = lambda seq_id: set()     # set by the reclamation backend
+        self.busy_blocks = busy_blocks
         self.slots_reused = 0
 
-    def holes(self, seq: Sequence) -> np.ndarray:
-        """Reusable dead slots of the sequence, in block-list order then offset order."""
-        tt = self.bm.token_table
-        dead = tt.dead_slots(seq.seq_id)
-        if len(dead) == 0:
-            return dead
+    def holes(self, seq: Sequence, limit: int) -> np.ndarray:
+        """Up to `limit` reusable dead slots of the sequence, in block-list then offset order."""
+        dead = self.bm.token_table.dead_slots(seq.seq_id)
+        if len(dead) == 0 or limit <= 0:
+            return dead[:0]
         blocks = np.asarray(seq.block_ids, np.int64)
-        pool = self.bm.pool
+        usable = ~(self.bm.shared_mask(seq, blocks) | self.bm.cached_mask(blocks))
         busy = self.busy_blocks(seq.seq_id)
-        usable = ~self.bm.shared_mask(seq, blocks) & np.array(
-            [pool.block_hash[b] is None and b not in busy for b in seq.block_ids], dtype=bool)
-        # rank of each dead slot's block in the request's block list (-1: not its block)
-        order = np.argsort(blocks)
-        pos = np.searchsorted(blocks[order], dead // self.bm.block_size)
-        pos = np.minimum(pos, len(blocks) - 1)
-        rank = order[pos]
-        ok = (blocks[rank] == dead // self.bm.block_size) & usable[rank]
+        if busy:
+            usable &= ~np.isin(blocks, np.fromiter(busy, np.int64))
+        rank = block_positions(dead, blocks, self.bm.block_size)
+        ok = rank >= 0
+        ok[ok] = usable[rank[ok]]
         dead, rank = dead[ok], rank[ok]
-        return dead[np.lexsort((dead, rank))]
+        return dead[np.lexsort((dead, rank))][:limit]

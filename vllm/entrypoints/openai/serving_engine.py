@@ -13,6 +13,7 @@ from vllm.entrypoints.openai.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import SamplingRequest, UsageInfo, now_s
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class OpenAIServing:
         they come. Closing the iterator (or a failure of one prompt) aborts all of them."""
         if len(prompts) == 1:
             async for out in self._guarded(self.engine.generate(prompts[0], params, request_id)):
-                yield 0, out
+                yield 0, _unless_exhausted(out)
             return
         q: asyncio.Queue = asyncio.Queue()
         done = object()
@@ -176,7 +177,7 @@ class OpenAIServing:
                 elif isinstance(item, Exception):
                     raise self._as_openai_error(item)
                 else:
-                    yield i, item
+                    yield i, _unless_exhausted(item)
         finally:
             for t in tasks:
                 t.cancel()
@@ -230,6 +231,19 @@ class OpenAIServing:
 
     def stream_errors(self, e: Exception) -> str:
         return sse(self._as_openai_error(e).body())
+
+
+def _unless_exhausted(out: RequestOutput) -> RequestOutput:
+    """A request whose KV outgrew the pool is an error for the client, not a finish reason
+    (upstream's clients know only stop / length / abort)."""
+    reason = SequenceStatus.FINISHED_KV_EXHAUSTED.value
+    if out.finished and any(c.finish_reason == reason for c in out.outputs):
+        live = out.kv_stats.get("live_tokens", 0)
+        raise OpenAIError(f"The request's KV cache ({live} live tokens) no longer fits the KV "
+                          f"pool even with every other request preempted. Lower max_tokens, "
+                          f"enable KV eviction (kv_eviction_policy) or start the server with a "
+                          f"larger --kv-cache-memory.", param="max_tokens", code=reason)
+    return out
 
 
 async def _wait_for_disconnect(raw_request: Optional[Request]) -> None:

@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_in_c(self, x, cos, sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = x.contiguous()
-        mass = meta.decode_mass if meta.collect_stats else None
+        mass = meta.decode_mass
         scratch = cpu_kernels.decode_scratch(self.layers[0].fused, x.shape[0], meta.decode_views)
         for i, layer in enumerate(self.layers):
             cpu_kernels.decode_layer(layer.fused, x, cos, sin, meta.slot_mapping, kv_caches[i],

@@ -52,12 +52,13 @@ class SimulatedModel:
         cache = kv_caches[0, :, :, 0, 0]                          # [num_slots, 2]
         w = self._importance(input_ids, positions)
         cache[meta.slot_mapping] = torch.stack((w, positions.to(cache.dtype)), dim=1)
-        if meta.collect_stats:
-            b = meta.num_decodes
-            if b:
-                meta.decode_mass += self._decode_probs(cache, meta, positions[:b])
-            for span, colsum in zip(meta.prefills, meta.prefill_colsum):
-                colsum += self._prefill_colsum(cache, span, positions[span.q_start:span.q_end])
+        b = meta.num_decodes
+        if b and meta.decode_mass is not None:
+            meta.decode_mass += self._decode_probs(cache, meta, positions[:b])
+        for span in meta.prefills:
+            if span.colsum is not None:
+                span.colsum += self._prefill_colsum(cache, span,
+                                                    positions[span.q_start:span.q_end])
         nxt = (input_ids * 31 + positions * 17 + 7) % self.vocab
         return nxt.to(torch.float32).unsqueeze(1)
 
@@ -84,7 +85,7 @@ class SimulatedModel:
         return s / s.sum(dim=1, keepdim=True) * self.layer_heads
 
     def _prefill_colsum(self, cache, span, qpos: torch.Tensor) -> torch.Tensor:
-        """colsum[j] = L*H * w_j * sum over queries q that see j of 1 / W(q),
+        """colsum[j] = L*H * w_j * sum over scored queries q that see j of 1 / W(q),
         W(q) = sum of w over the keys q sees (a prefix of the view: keys are in logical order)."""
         w = cache.index_select(0, span.kv_slots)[:, 0].double()
         lk, lq = len(w), len(qpos)
@@ -92,6 +93,7 @@ class SimulatedModel:
             seen = torch.arange(lk - lq + 1, lk + 1)
         else:
             seen = span.mask.sum(dim=1)
+        seen = seen[span.colsum_from:]   # only the scored queries vote
         inv = 1.0 / w.cumsum(0)[seen - 1]
         # per_key[k] = sum of 1/W(q) over queries whose last visible key is k; suffix-sum it
         per_key = torch.zeros(lk, dtype=torch.float64).index_add_(0, seen - 1, inv)

@@ -1,0 +1,141 @@
+"""KVManager: the one owner of the KV state.
+
+It builds and owns the block manager (pool, prefix cache, token tables), the eviction driver,
+the reclamation backend, the hole filler and the monitor, and holds the one busy-block rule.
+
+    scheduler -> can_allocate / allocate / can_append / append_slots / free, take_copies
+    engine    -> after_step(StepStats), copies_done(batch ids), stats(), check_invariants()
+    runner    <- score_request(scheduled): which attention statistics the step must collect
+
+Nothing here imports the worker or attention: statistics come in as plain arrays (StepStats),
+copies go out as plain arrays (CopyBatch) with the scheduler output.
+"""
+from typing import Dict, List, Optional, Set, Tuple
+
+from vllm.config import KVEvictionConfig
+from vllm.core.block_manager import BlockManager
+from vllm.core.eviction_driver import EvictionDriver
+from vllm.core.kv_monitor import KVMonitor
+from vllm.core.reclaim.backend import CopyBatch, ReclamationBackend
+from vllm.core.reclaim.hole_filler import HoleFiller
+from vllm.core.step_stats import ScoreRequest, StepStats
+from vllm.sequence import Sequence
+
+
+class KVManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 config: KVEvictionConfig, num_layer_heads: int):
+        self.config = config
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.token_table = self.bm.token_table
+        self.seqs: Dict[str, Sequence] = {}         # sequences holding KV
+        self.reclaimer = ReclamationBackend(config, self.bm) if config.reclaims else None
+        self.eviction = EvictionDriver(config, self.bm, num_layer_heads, self.busy_blocks) \
+            if config.enabled else None
+        self.filler = HoleFiller(self.bm, self.busy_blocks) if config.fills_holes else None
+        self.monitor = KVMonitor(self.bm)
+
+    @property
+    def block_size(self) -> int:
+        return self.bm.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.bm.num_blocks
+
+    def busy_blocks(self, seq_id: str) -> Set[int]:
+        """Blocks of a relocation plan not yet applied: nothing frees or writes them."""
+        return self.reclaimer.busy_blocks(seq_id) if self.reclaimer else set()
+
+    # ---- scheduler: waiting -> running --------------------------------------------------------
+    def computed_blocks(self, seq: Sequence) -> List[int]:
+        limit = self.eviction.max_cache_hits(seq) if self.eviction else None
+        return self.bm.computed_blocks(seq, limit)
+
+    def can_allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> bool:
+        return self.bm.can_allocate(hits, num_new_tokens)
+
+    def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
+        self.bm.allocate(seq, hits, num_new_tokens)
+        self.seqs[seq.seq_id] = seq
+        seq.clean_tokens = None
+        if self.eviction:
+            self.eviction.on_admit(seq)
+
+    def recompute_chunk(self, seq: Sequence) -> Optional[int]:
+        """Most tokens one chunk of an evicting re-prefill may take, so that evicting after each
+        chunk keeps a request that outgrew the pool within it (None: no bound)."""
+        if not (self.eviction and seq.num_preemptions):
+            return None
+        return max(self.block_size, self.num_blocks // 4 * self.block_size)
+
+    # ---- scheduler: running -------------------------------------------------------------------
+    def _holes(self, seq: Sequence, n: int):
+        return self.filler.holes(seq, n) if self.filler else None
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        holes = self._holes(seq, num_new_tokens)
+        return self.bm.can_append(seq, num_new_tokens, 0 if holes is None else len(holes))
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        holes = self._holes(seq, num_new_tokens)
+        self.bm.append_slots(seq, num_new_tokens, holes)
+        if holes is not None:
+            self.filler.slots_reused += len(holes)
+
+    def free(self, seq: Sequence) -> None:
+        """Finish, abort or preemption: every block and the token table go back."""
+        if seq.seq_id not in self.seqs:
+            return
+        self.monitor.on_finish(seq)
+        if self.reclaimer:
+            self.reclaimer.drop(seq)
+        self.bm.free(seq)
+        del self.seqs[seq.seq_id]
+
+    def take_copies(self) -> Optional[CopyBatch]:
+        """This step's relocation copies (and fences) for the worker, or None."""
+        return self.reclaimer.take_copies() if self.reclaimer else None
+
+    # ---- engine: around the model step --------------------------------------------------------
+    def score_request(self, scheduled: List[Tuple[Sequence, int]]) -> ScoreRequest:
+        req = ScoreRequest()
+        if self.eviction:
+            for seq, n in scheduled:
+                self.eviction.request_scores(seq, n, req)
+        return req
+
+    def copies_done(self, batch_ids: Set[int]) -> None:
+        if self.reclaimer and batch_ids:
+            self.reclaimer.complete(batch_ids, self.seqs)
+
+    def after_step(self, stats: StepStats) -> None:
+        """num_computed_tokens already counts this step's tokens. Cache their full blocks
+        (before any eviction they could see), run the policies, plan relocation."""
+        for r in stats.rows:
+            self.bm.cache_full_blocks(r.seq)
+            if self.eviction:
+                self.eviction.after_step(r)
+        if self.reclaimer:
+            self.reclaimer.plan_step(list(self.seqs.values()))
+        self.monitor.after_step(stats, self.seqs.values())
+        if self.config.check_invariants:
+            self.check_invariants()
+
+    # ---- figures and invariants ---------------------------------------------------------------
+    def stats(self) -> Dict[str, float]:
+        stats = self.monitor.stats()
+        stats["evicted_tokens"] = self.eviction.evicted_tokens if self.eviction else 0
+        stats["hole_slots_reused"] = self.filler.slots_reused if self.filler else 0
+        stats.update(self.reclaimer.stats() if self.reclaimer else ReclamationBackend.idle_stats())
+        return stats
+
+    def check_invariants(self) -> None:
+        """I2 and the prefix-cache rule for every sequence holding KV, plus block accounting."""
+        for seq in self.seqs.values():
+            self.token_table.check_invariants(seq.seq_id, seq.block_ids)
+            self.bm.check_prefix_cache(seq)
+        self.bm.check_accounting(list(self.seqs.values()))
+        tables = set(self.token_table.request_ids())
+        assert tables == set(self.seqs), \
+            f"token tables {sorted(tables - set(self.seqs))} outlive their requests"
