@@ -416,3 +416,20 @@ def test_chat_template_flag(tiny_llama):
         assert httpx.post(srv.url + "/v1/chat/completions", json=body).status_code == 400
     with ServerThread(build_app(engine, ["tiny"], chat_template=CHAT_TEMPLATE)) as srv:
         assert httpx.post(srv.url + "/v1/chat/completions", json=body).status_code == 200
+
+
+def test_request_that_outgrows_the_pool_is_an_openai_error(model_dir):
+    """finish_reason kv_cache_exhausted never reaches a client as a finish reason: a 400 in the
+    OpenAI shape (non-streaming) or an error event (streaming); the engine stays clean."""
+    engine, srv = serve(model_dir, num_gpu_blocks_override=3, block_size=8)
+    body = {"model": "tiny", "prompt": [5] * 10, "max_tokens": 50, "ignore_eos": True}
+    with srv:
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["code"] == "kv_cache_exhausted" and err["param"] == "max_tokens"
+        r = httpx.post(srv.url + "/v1/completions", json=dict(body, stream=True), timeout=60)
+        events = sse_events(r.text)
+        assert any("error" in e and e["error"]["code"] == "kv_cache_exhausted"
+                   for e in events if isinstance(e, dict))
+        wait_until_clean(engine)

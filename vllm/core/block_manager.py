@@ -30,6 +30,7 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.token_table = TokenTable(block_size)
         self.peak_used = 0
+        self.cache_hit_blocks = 0       # blocks admitted requests took from the prefix cache
 
     @property
     def num_blocks(self) -> int:
@@ -83,6 +84,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
         assert not seq.block_ids, f"{seq.seq_id} already holds blocks"
         self.pool.touch(hits)
+        self.cache_hit_blocks += len(hits)
         seq.block_ids = list(hits) + self.pool.allocate(cdiv(num_new_tokens, self.block_size))
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_blocks = len(hits)

@@ -127,6 +127,7 @@ class KVManager:
         stats = self.monitor.stats()
         stats["evicted_tokens"] = self.eviction.evicted_tokens if self.eviction else 0
         stats["hole_slots_reused"] = self.filler.slots_reused if self.filler else 0
+        stats["prefix_cache_hit_blocks"] = self.bm.cache_hit_blocks
         stats.update(self.reclaimer.stats() if self.reclaimer else ReclamationBackend.idle_stats())
         return stats
 

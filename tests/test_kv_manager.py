@@ -1,0 +1,186 @@
+"""The KV owner under the serving features users turn on together (issue: one KV owner).
+
+Each test pins one behaviour that main got wrong before the KV manager: prefix caching with hole
+filling and with evicted contexts, cache hits that skipped scored queries, SnapKV's and TOVA's
+prefill query windows, preemption of a request that outgrew the pool, finish reasons, kv_stats
+after preemption, and the cached blocks vToken used to overwrite.
+"""
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import random_prompts
+from vllm import LLM, SamplingParams
+from vllm.core.eviction import SnapKVPolicy, TOVAPolicy
+from vllm.config import KVEvictionConfig
+
+MODES = ["none", "vtoken", "vtoken-fill"]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def engine(model, **kwargs):
+    kwargs.setdefault("kv_check_invariants", True)
+    kwargs.setdefault("kv_eviction_log", True)
+    kwargs.setdefault("num_gpu_blocks_override", 256)
+    kwargs.setdefault("block_size", 8)
+    return LLM(model, **kwargs).llm_engine
+
+
+def run(eng, prompts, params, max_steps=5000):
+    """Requests one after another on the same engine (so later ones can hit the cache);
+    -> (outputs, sequences). Fails instead of hanging."""
+    outs, seqs = [], []
+    for i, p in enumerate(prompts):
+        rid = f"r{len(eng.kv.seqs)}-{i}-{id(p)}"
+        eng.add_request(rid, {"prompt_token_ids": p}, params)
+        seqs.append(eng.requests[rid].seqs[0])
+        done = None
+        for _ in range(max_steps):
+            for o in eng.step():
+                done = o if o.finished else done
+            if not eng.has_unfinished_requests():
+                break
+        assert done is not None, "the engine did not finish the request"
+        outs.append(done)
+    eng.check_invariants()
+    assert eng.kv.bm.num_free_blocks == eng.kv.num_blocks
+    return outs, seqs
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def logs(seqs):
+    return [[a.tolist() for a in s.eviction_log] for s in seqs]
+
+
+# ---- items 1, 2, 5: prefix caching under eviction -------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["streamingllm", "tova", "snapkv", "h2o"])
+def test_chat_follow_up_same_with_and_without_prefix_cache(tiny_llama, policy, mode):
+    """Turn 1, then turn 2 = turn-1 prompt + answer + new words. The follow-up's tokens and
+    evictions must not depend on the prefix cache: cached blocks hold only K/V computed before
+    the first eviction (never hole-filled or relocated ones), and hits never skip a query the
+    policy scores with."""
+    first = random_prompts(1, seed=21, lo=70, hi=71)[0]
+    args = dict(kv_eviction_policy=policy, kv_reclamation=mode, kv_frag_threshold=0.0,
+                kv_budget_tokens=40)
+    results = {}
+    for caching in (False, True):
+        eng = engine(tiny_llama, enable_prefix_caching=caching, **args)
+        (turn1,), _ = run(eng, [first], greedy(40))
+        follow = first + turn1.outputs[0].token_ids + random_prompts(1, seed=22, lo=9, hi=10)[0]
+        outs, seqs = run(eng, [follow], greedy(24))
+        results[caching] = (tokens(outs), logs(seqs), eng.get_kv_stats())
+    assert results[True][:2] == results[False][:2]
+    hits = results[True][2]["prefix_cache_hit_blocks"]
+    if policy == "h2o":            # H2O scores every prompt query: no hit may skip one
+        assert hits == 0
+    else:                          # the turn-1 prompt blocks (computed before any eviction)
+        assert hits >= 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cached_prompt_blocks_survive_relocation(tiny_llama, mode):
+    """Back-to-back requests with one prompt: vToken must not overwrite the first one's cached
+    prompt blocks with relocated or hole-filled tokens, so the second hits as often as under
+    Naive-Evict, and decides the same evictions as the first."""
+    prompt = random_prompts(1, seed=23, lo=96, hi=97)[0]
+    eng = engine(tiny_llama, enable_prefix_caching=True, kv_eviction_policy="tova",
+                 kv_reclamation=mode, kv_frag_threshold=0.0)
+    outs, seqs = run(eng, [prompt, prompt], greedy(48))
+    assert tokens(outs)[0] == tokens(outs)[1] and logs(seqs)[0] == logs(seqs)[1]
+    assert eng.get_kv_stats()["prefix_cache_hit_blocks"] == (len(prompt) - 1) // 8
+    if mode == "vtoken":
+        assert eng.get_kv_stats()["relocation_events"] > 0
+
+
+def test_cache_invariant_catches_a_written_cached_block(tiny_llama):
+    """--kv-check-invariants notices a cached block whose bytes no longer match its hash."""
+    eng = engine(tiny_llama, enable_prefix_caching=True, kv_eviction_policy="streamingllm",
+                 kv_budget_tokens=16)
+    eng.add_request("a", {"prompt_token_ids": random_prompts(1, seed=3, lo=40, hi=41)[0]},
+                    greedy(8))
+    eng.step()
+    seq = eng.requests["a"].seqs[0]
+    tt = eng.kv.token_table
+    assert eng.kv.bm.pool.hashed[seq.block_ids[0]]
+    slots = tt.all_slots(seq.seq_id)
+    slots[[1, 2]] = slots[[2, 1]]          # two tokens of a cached block swap places
+    with pytest.raises(AssertionError, match="prefix-cache entry"):
+        eng.check_invariants()
+
+
+# ---- item 4: the policies' prefill query windows ---------------------------------------------------
+def hf_attention_colsum(model_dir, prompt, queries: int) -> np.ndarray:
+    """Column sums of the last `queries` prompt queries' attention, over layers and heads."""
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                           attn_implementation="eager")
+    with torch.no_grad():
+        att = hf(torch.tensor([prompt]), output_attentions=True).attentions
+    return sum(a[0, :, -queries:].sum(dim=(0, 1)) for a in att).numpy()
+
+
+@pytest.mark.parametrize("chunk", [None, 24])        # whole prompt / chunked prefill
+@pytest.mark.parametrize("policy", ["snapkv", "tova"])
+def test_prefill_scores_only_the_policys_query_window(tiny_llama, policy, chunk):
+    prompt = random_prompts(1, seed=31, lo=80, hi=81)[0]
+    cfg = KVEvictionConfig(policy=policy, eviction_ratio=0.5)
+    window = cfg.snapkv_window if policy == "snapkv" else 1
+    colsum = hf_attention_colsum(tiny_llama, prompt, window)
+    cls = SnapKVPolicy if policy == "snapkv" else TOVAPolicy
+    expect = cls(cfg, "ref", 4).on_prefill(np.arange(len(prompt)), colsum, len(prompt))
+    kwargs = dict(max_num_batched_tokens=chunk) if chunk else {}
+    eng = engine(tiny_llama, kv_eviction_policy=policy, kv_eviction_ratio=0.5, **kwargs)
+    _, (seq,) = run(eng, [prompt], greedy(1))
+    assert seq.eviction_log[0].tolist() == expect.tolist()
+
+
+# ---- items 3, 7, 8: preemption of a request that outgrew the pool -----------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["streamingllm", "h2o"])
+def test_preempted_request_longer_than_the_pool_is_recomputed_in_chunks(tiny_llama, mode, policy):
+    """Three requests whose logical length (40 + 120) exceeds the whole pool (8 blocks of 8):
+    eviction bounds each one; small prefill chunks admit them early, so preemption strikes;
+    a re-prefill longer than the pool must evict as it goes."""
+    eng = engine(tiny_llama, num_gpu_blocks_override=8, kv_eviction_policy=policy,
+                 kv_budget_tokens=24, kv_reclamation=mode, kv_frag_threshold=0.0,
+                 max_num_batched_tokens=16)
+    prompts = random_prompts(3, seed=41, lo=40, hi=41)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"q{i}", {"prompt_token_ids": p}, greedy(120))
+    finals = {}
+    for _ in range(3000):
+        for o in eng.step():
+            if o.finished:
+                finals[o.request_id] = o
+        if not eng.has_unfinished_requests():
+            break
+    assert len(finals) == 3, "the engine hung"
+    assert eng.scheduler.num_preemptions > 0
+    for o in finals.values():
+        c = o.outputs[0]
+        assert c.finish_reason in ("length", "kv_cache_exhausted")
+        st = o.kv_stats          # one admission's figures: nothing counted twice
+        assert st["live_tokens"] + st["evicted_tokens"] == len(o.prompt_token_ids) + \
+            len(c.token_ids) - 1
+    assert all(o.outputs[0].finish_reason == "length" for o in finals.values())
+    assert any(o.metrics["num_preemptions"] for o in finals.values())
+    assert eng.kv.bm.num_free_blocks == eng.kv.num_blocks
+
+
+def test_start_up_warns_when_max_model_len_exceeds_the_pool(tiny_llama, caplog):
+    with caplog.at_level("WARNING"):
+        engine(tiny_llama, num_gpu_blocks_override=4)
+    assert "exceeds the KV pool" in caplog.text
+
+
+def test_eviction_log_is_opt_in(tiny_llama):
+    eng = engine(tiny_llama, kv_eviction_policy="h2o", kv_eviction_log=False)
+    _, (seq,) = run(eng, random_prompts(1, seed=5, lo=60, hi=61), greedy(8))
+    assert seq.eviction_log is None and seq.kv_stats["evicted_tokens"] > 0
