@@ -76,16 +76,25 @@ class EvictionDriver:
         if start >= seq.prefill_end:
             req.decode |= p.needs_decode_stats
             return
+        first = self._first_scored(seq, start, num_new)
+        if first is not None:
+            req.prefill_from[seq.seq_id] = first
+
+    def _first_scored(self, seq: Sequence, start: int, num_new: int) -> Optional[int]:
+        """Index in a prompt chunk [start, start + num_new) of its first query the policy scores
+        with (None: none of them)."""
         window = self.scored_queries(seq)
+        if seq.num_preemptions and seq.policy_ran and not window and \
+                self.policy(seq).needs_decode_stats:
+            window = ALL                                 # a later re-prefill chunk: a decode step
         if not window:
-            return
+            return None
         if seq.num_preemptions and start + num_new < seq.prefill_end:
             target = start + num_new                     # evicting as it goes: this chunk
         else:
             target = seq.prefill_end
-        first = max(target - window, start) - start      # first scored query of the chunk
-        if first < num_new:
-            req.prefill_from[seq.seq_id] = first
+        first = max(target - window, start) - start
+        return first if first < num_new else None
 
     def after_step(self, row: SeqStepStats) -> None:
         evict = self._run_policy(row)
@@ -112,7 +121,8 @@ class EvictionDriver:
                 return policy.on_decode(r.view_ids, r.scores, n)
             seq.policy_ran = True
             return policy.on_prefill(r.view_ids, r.scores, n)
-        if seq.prefill_colsum is not None and r.scores is not None:
+        if seq.prefill_colsum is not None and r.scores is not None and \
+                self._first_scored(seq, start, r.num_new) is not None:
             seq.prefill_colsum[r.view_ids] += r.scores
         if n < seq.prefill_end:
             return np.empty(0, np.int64)                          # defer to the prompt's end

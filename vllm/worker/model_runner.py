@@ -103,7 +103,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, num_decodes=len(decodes), decode_views=view_slots,
             decode_lens=view_lens, prefills=prefill_spans)
-        if scores.decode and decodes:
+        # a one-token prompt chunk runs as a decode row: its scores come from the decode mass
+        if decodes and (scores.decode or any(s.seq_id in scores.prefill_from for s, _ in decodes)):
             meta.decode_mass = torch.zeros(view_slots.shape, dtype=torch.float32)
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta, rows=rows)
 
