@@ -2,7 +2,7 @@
 are all resident at once and finish without preemption. Native vs Naive-Evict vs vToken (H2O,
 ratio 0.5) vs the ideal packed footprint floor(budget / ceil(live / block_size)).
 
-vToken's relocation headroom (--kv-reclaim-headroom-blocks) is charged against the same budget.
+Relocation never allocates, so vToken reserves no headroom: every variant gets the same blocks.
 
     python benchmarks/benchmark_capacity.py --quick               # real engine, default model
     python benchmarks/benchmark_capacity.py --simulate --quick    # paper setup at 1/8 scale

@@ -69,10 +69,9 @@ def interleaved(model, variants, work, args):
             while eng.has_unfinished_requests():
                 eng.step()
     for name, eng in engines.items():
-        for obj, fn in ((eng.eviction, "after_step"), (eng.reclaimer, "step"),
-                        (eng.kv_monitor, "after_step")):
-            if obj is not None:
-                timed(obj, fn, hooks[name])
+        for obj, fn in ((eng.kv, "after_step"), (eng.kv, "copies_done"),
+                        (eng.runner, "relocate")):
+            timed(obj, fn, hooks[name])
         for i, (prompt, n) in enumerate(work):
             eng.add_request(f"x{i}", {"prompt_token_ids": prompt},
                             SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))

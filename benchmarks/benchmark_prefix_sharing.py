@@ -1,11 +1,12 @@
 """Prefix sharing: shared prefix + private suffix, sharing degree 1/2/4/8, prefix caching on.
 
 Requests come in groups of `degree` that share one prefix (a group's prefix is cached by a warm-up
-request first, so every member hits it; degree 1 has no reuse). H2O runs with a fixed token
-budget of prefix + suffix/8 tokens: the warm-up (prefix only) evicts nothing, so its cached blocks
-are never repacked (a repacked block leaves the prefix cache), while every member evicts from its
-prefix and suffix alike. Blocks that are shared (ref count > 1, or prefix-cache hits) are never
-relocated: the planner only sees private blocks. The output is long, so one-in-one-out decode
+request first, so every member hits it; degree 1 has no reuse). The policy (TOVA by default) runs
+with a fixed token budget of prefix + suffix/8 tokens. It must be one whose prompt scores do not
+need the cached prefix's queries (TOVA scores with the last prompt query; H2O with every one, so
+H2O requests take no cache hits and share nothing: see the README). Blocks that are shared (ref
+count > 1, or prefix-cache hits) are never relocated: the planner only sees private blocks, and
+cached ones only give tokens away. The output is long, so one-in-one-out decode
 evictions leave holes in the private suffix and output blocks, which vToken repacks. Invariant checks (--kv-check-invariants: I1 per relocation, I2
 and block accounting every step) are on for both variants.
 
@@ -26,7 +27,8 @@ def instrument(llm, counters):
     bm = llm.llm_engine.kv.bm
 
     def candidates(seq, bm_, busy):
-        shared = [b for b in seq.block_ids if bm_.is_shared(seq, b)]
+        blocks = np.asarray(seq.block_ids, np.int64)
+        shared = blocks[bm_.shared_mask(seq, blocks)].tolist()
         counters["skipped"].update((seq.seq_id, b) for b in shared)
         counters["shared_now"] = set(shared)
         return _orig_candidates(seq, bm_, busy)
@@ -57,7 +59,7 @@ def build(tok, n, degree, prefix_len, suffix_len, out_len, seed):
 
 
 def run(model, prefixes, work, reclamation, warm, budget, args):
-    llm = LLM(model, kv_eviction_policy="h2o", kv_budget_tokens=budget, kv_reclamation=reclamation,
+    llm = LLM(model, kv_eviction_policy=args.policy, kv_budget_tokens=budget, kv_reclamation=reclamation,
               enable_prefix_caching=True, kv_check_invariants=True, max_num_seqs=len(work),
               seed=args.seed)
     counters = {"skipped": set(), "plans": 0, "shared_now": set()}
@@ -75,13 +77,15 @@ def run(model, prefixes, work, reclamation, warm, budget, args):
     return {"invariants": ok, "pool_blocks_mean": m and m["pool_blocks_mean"],
             "pool_blocks_peak": m and m["pool_blocks_peak"],
             "shared_skipped": len(counters["skipped"]), "plans": counters["plans"],
-            "relocations": kv["relocation_events"], "outs": m and m["outs"]}
+            "relocations": kv["relocation_events"], "hit_blocks": kv["prefix_cache_hit_blocks"],
+            "outs": m and m["outs"]}
 
 
 def main():
     p = common.base_parser(__doc__)
     p.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--policy", default="tova", help="eviction policy (one that can share prefixes)")
     args = p.parse_args()
     common.setup(args)
     model, label = common.model_for(args)
@@ -101,15 +105,15 @@ def main():
                      "reduction_%": 100 * (1 - vt["pool_blocks_mean"] / naive["pool_blocks_mean"]),
                      "naive_peak": naive["pool_blocks_peak"], "vtoken_peak": vt["pool_blocks_peak"],
                      "shared_skipped": vt["shared_skipped"], "plans": vt["plans"],
-                     "relocations": vt["relocations"],
+                     "relocations": vt["relocations"], "hit_blocks": vt["hit_blocks"],
                      "invariants": f"{naive['invariants']}/{vt['invariants']}",
                      "identical_outputs": same})
-    title = (f"Prefix sharing (prefix caching on, H2O, budget {prefix_len + suffix_len // 8} "
+    title = (f"Prefix sharing (prefix caching on, {args.policy}, budget {prefix_len + suffix_len // 8} "
              f"tokens), {args.num_requests} requests of "
              f"{prefix_len} shared + {suffix_len} private tokens + {out_len} output; pool blocks "
              f"in use (time average); {label}; {common.machine()}")
     text = common.table(rows, ["degree", "naive_blocks", "vtoken_blocks", "reduction_%",
-                               "naive_peak", "vtoken_peak", "shared_skipped", "relocations",
+                               "naive_peak", "vtoken_peak", "hit_blocks", "shared_skipped", "relocations",
                                "invariants", "identical_outputs"], title)
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5.5, 3.3))
@@ -121,7 +125,7 @@ def main():
                 va="bottom", fontsize=7)
     ax.set_xticks(x, [f"degree {r['degree']}" for r in rows])
     ax.set_ylabel("KV blocks in use (time avg)")
-    ax.set_title(f"Shared prefix + private suffix, H2O; {label}", fontsize=9)
+    ax.set_title(f"Shared prefix + private suffix, {args.policy}; {label}", fontsize=9)
     ax.legend(fontsize=7)
     common.save("benchmark_prefix_sharing", {"args": vars(args), "model": label,
                                              "rows": rows, "table": text}, fig)

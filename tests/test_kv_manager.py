@@ -184,3 +184,13 @@ def test_eviction_log_is_opt_in(tiny_llama):
     eng = engine(tiny_llama, kv_eviction_policy="h2o", kv_eviction_log=False)
     _, (seq,) = run(eng, random_prompts(1, seed=5, lo=60, hi=61), greedy(8))
     assert seq.eviction_log is None and seq.kv_stats["evicted_tokens"] > 0
+
+
+def test_every_block_is_usable_under_vtoken(tiny_llama):
+    """Relocation never allocates, so no block is held back as headroom: a prompt that needs the
+    whole pool is admitted (it used to be refused for want of one block)."""
+    eng = engine(tiny_llama, num_gpu_blocks_override=4, kv_eviction_policy="h2o",
+                 kv_reclamation="vtoken", kv_budget_tokens=16)
+    outs, _ = run(eng, [random_prompts(1, seed=8, lo=32, hi=33)[0]], greedy(16))
+    assert outs[0].outputs[0].finish_reason == "length"
+    assert eng.kv.bm.peak_used == 4
