@@ -24,7 +24,8 @@ from vllm import LLM, SamplingParams
 
 def trial(model, kw, work, c, budget, extra):
     """Run C requests at once under `budget` blocks; stop at the first sign of infeasibility."""
-    llm = LLM(model, num_gpu_blocks_override=budget, max_num_seqs=c, seed=0, **extra, **kw)
+    llm = LLM(model, num_gpu_blocks_override=budget, max_num_seqs=c, seed=0, kv_min_tokens=0,
+              **extra, **kw)
     eng = llm.llm_engine
     for i, (prompt, out_len) in enumerate(work[:c]):
         eng.add_request(str(i), {"prompt_token_ids": prompt},

@@ -56,6 +56,7 @@ def interleaved(model, variants, work, args):
     engines, hooks, steps = {}, {}, {}
     for name, kw in variants.items():
         llm = LLM(model, max_num_seqs=len(work), seed=args.seed, num_gpu_blocks_override=blocks,
+                  kv_min_tokens=0,
                   **kw)
         eng = engines[name] = llm.llm_engine
         hooks[name], steps[name] = {}, []

@@ -59,7 +59,8 @@ def build(tok, n, degree, prefix_len, suffix_len, out_len, seed):
 
 
 def run(model, prefixes, work, reclamation, warm, budget, args):
-    llm = LLM(model, kv_eviction_policy=args.policy, kv_budget_tokens=budget, kv_reclamation=reclamation,
+    llm = LLM(model, kv_eviction_policy=args.policy, kv_budget_tokens=budget, kv_min_tokens=0,
+              kv_reclamation=reclamation,
               enable_prefix_caching=True, kv_check_invariants=True, max_num_seqs=len(work),
               seed=args.seed)
     counters = {"skipped": set(), "plans": 0, "shared_now": set()}

@@ -54,7 +54,7 @@ def main():
     native = texts(model, work, args)
     rows = []
     for policy in args.policies:
-        kw = dict(kv_eviction_policy=policy, kv_eviction_ratio=args.ratio)
+        kw = dict(kv_eviction_policy=policy, kv_eviction_ratio=args.ratio, kv_min_tokens=0)
         naive = texts(model, work, args, kv_reclamation="none", **kw)
         vt = texts(model, work, args, kv_reclamation="vtoken", **kw)
         r_naive = [rouge_l(a.text, b.text) for a, b in zip(naive, native)]

@@ -15,7 +15,8 @@ SWEEPS = {"block_size": [16, 32, 48], "kv_eviction_ratio": [0.3, 0.5, 0.7],
 
 
 def run(model, work, cfg, args):
-    llm = LLM(model, kv_eviction_policy="h2o", kv_reclamation="vtoken", max_num_seqs=len(work),
+    llm = LLM(model, kv_eviction_policy="h2o", kv_reclamation="vtoken", kv_min_tokens=0,
+              max_num_seqs=len(work),
               seed=args.seed, **cfg)
     m = common.measure(llm, work)
     blocks = common.block_summary(m["outs"], cfg["block_size"])["mean_blocks"]

@@ -149,7 +149,8 @@ def main():
     base = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max(levels))]
     if model:
         base = ["--model", model] + base
-    evict = ["--kv-eviction-policy", args.policy, "--kv-eviction-ratio", str(args.ratio)]
+    evict = ["--kv-eviction-policy", args.policy, "--kv-eviction-ratio", str(args.ratio),
+             "--kv-min-tokens", "0"]
     variants = {"Naive-Evict": evict + ["--kv-reclamation", "none"],
                 "vToken": evict + ["--kv-reclamation", "vtoken"],
                 "Native": ["--kv-eviction-policy", "none"]}

@@ -43,6 +43,7 @@ def test_naive_evict_and_vtoken_identical_on_default_model(policy):
     outs = {}
     for mode in ("none", "vtoken"):
         llm = LLM(kv_eviction_policy=policy, kv_reclamation=mode, kv_frag_threshold=0.0,
+                  kv_min_tokens=0,
                   kv_check_invariants=True, num_gpu_blocks_override=256)
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if mode == "vtoken":

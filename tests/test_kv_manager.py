@@ -24,6 +24,7 @@ def greedy(n: int) -> SamplingParams:
 def engine(model, **kwargs):
     kwargs.setdefault("kv_check_invariants", True)
     kwargs.setdefault("kv_eviction_log", True)
+    kwargs.setdefault("kv_min_tokens", 0)
     kwargs.setdefault("num_gpu_blocks_override", 256)
     kwargs.setdefault("block_size", 8)
     return LLM(model, **kwargs).llm_engine

@@ -37,6 +37,7 @@ configs = st.fixed_dictionaries({
     "max_num_batched_tokens": st.sampled_from([8, 24, 2048]),
     "kv_budget_tokens": st.sampled_from([None, 12, 24]),
     "kv_frag_threshold": st.sampled_from([0.0, 0.25]),
+    "kv_min_tokens": st.sampled_from([0, 0, 20]),
 })
 op = st.one_of(
     st.tuples(st.just("add"), st.integers(0, 3), st.integers(2, 30), st.integers(1, 3)),

@@ -17,7 +17,8 @@ from vllm import LLM, SamplingParams
 from vllm.worker.relocation import CopyEvent, DelayedRelocationExecutor, RelocationExecutor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-ARGS = dict(kv_eviction_policy="random", kv_eviction_ratio=0.5, kv_check_invariants=True,
+ARGS = dict(kv_eviction_policy="random", kv_eviction_ratio=0.5, kv_min_tokens=0,
+            kv_check_invariants=True,
             kv_frag_threshold=0.0)
 
 

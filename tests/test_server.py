@@ -391,6 +391,7 @@ def test_api_key(model_dir):
 # ---- vToken + H2O through the server ---------------------------------------------------------
 def test_eviction_flags_through_server(model_dir):
     flags = dict(kv_eviction_policy="h2o", kv_eviction_ratio=0.5, kv_reclamation="vtoken",
+                 kv_min_tokens=0,
                  kv_check_invariants=True, block_size=4, num_gpu_blocks_override=256)
     ref = LLM(model_dir, **flags).generate(PROMPTS, greedy(24), use_tqdm=False)
     engine, srv = serve(model_dir, **flags)

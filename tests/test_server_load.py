@@ -39,7 +39,7 @@ async def _one(client, i: int, rng: random.Random):
 
 
 @pytest.mark.parametrize("flags", [{}, {"kv_eviction_policy": "h2o", "kv_reclamation": "vtoken",
-                                        "block_size": 8}], ids=["native", "h2o-vtoken"])
+                                        "block_size": 8, "kv_min_tokens": 0}], ids=["native", "h2o-vtoken"])
 def test_concurrent_streams_with_disconnects(tiny_llama, flags):
     engine, srv = serve(tiny_llama, num_gpu_blocks_override=1536 // flags.get("block_size", 16),
                         **flags)

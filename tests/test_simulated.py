@@ -87,6 +87,7 @@ def sim_dir(tmp_path_factory):
 
 def _run(sim_dir, reclamation):
     llm = LLM(sim_dir, load_format="simulate", kv_eviction_policy="h2o", kv_eviction_ratio=0.5,
+              kv_min_tokens=0,
               kv_reclamation=reclamation, num_gpu_blocks_override=200, kv_check_invariants=True)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 512, n).tolist()} for n in (160, 200, 90)]

@@ -15,6 +15,7 @@ def run(model, prompts, params=GREEDY, ids=None, **kwargs):
     """Generate through the engine, keeping each sequence (for its eviction log and stats)."""
     kwargs.setdefault("kv_check_invariants", True)
     kwargs.setdefault("kv_eviction_log", True)
+    kwargs.setdefault("kv_min_tokens", 0)          # short test prompts: evict from the start
     kwargs.setdefault("num_gpu_blocks_override", 512)
     llm = LLM(model, **kwargs)
     eng = llm.llm_engine
@@ -113,7 +114,7 @@ def test_prefix_sharing_keeps_shared_blocks_and_matches_naive(tiny_llama):
 def test_shared_prefix_blocks_are_never_relocated(tiny_llama):
     base = random_prompts(1, seed=9, lo=96, hi=97)[0]
     prompts = [base + q for q in random_prompts(3, seed=12, lo=60, hi=80)]
-    llm = LLM(tiny_llama, kv_eviction_policy="random", enable_prefix_caching=True,
+    llm = LLM(tiny_llama, kv_eviction_policy="random", enable_prefix_caching=True, kv_min_tokens=0,
               kv_frag_threshold=0.0, kv_check_invariants=True, num_gpu_blocks_override=256)
     eng = llm.llm_engine
     eng.add_request("warm", {"prompt_token_ids": base + [5]}, SamplingParams(max_tokens=1))

@@ -69,6 +69,7 @@ class KVEvictionConfig:
     policy: str = "none"
     eviction_ratio: float = 0.5             # fraction evicted; budget = floor((1 - r) * n)
     budget_tokens: Optional[int] = None     # fixed budget instead of the ratio
+    min_tokens: int = 0                     # floor: never fewer live tokens (EngineArgs: 512)
     sink_tokens: Optional[int] = None       # None: policy default (4 for streamingllm, else 0)
     recent_fraction: float = 0.5            # H2O: share of the budget kept as the recent window
     scissorhands_window: int = 400          # w: history of low-attention steps
@@ -90,6 +91,7 @@ class KVEvictionConfig:
                f"must be in [0, 1), got {self.eviction_ratio}")
         _check(self.budget_tokens is None or self.budget_tokens >= 1, "--kv-budget-tokens",
                f"must be >= 1, got {self.budget_tokens}")
+        _check(self.min_tokens >= 0, "--kv-min-tokens", f"must be >= 0, got {self.min_tokens}")
         _check(self.sink_tokens is None or self.sink_tokens >= 0, "--kv-sink-tokens",
                f"must be >= 0, got {self.sink_tokens}")
         _check(0.0 <= self.recent_fraction <= 1.0, "--kv-recent-fraction",
@@ -115,8 +117,9 @@ class KVEvictionConfig:
 
     @property
     def reclaims(self) -> bool:
-        return self.enabled and self.reclamation in ("vtoken", "vtoken-fill")
+        """Engine-wide: any request may evict (its own policy), so the mode alone decides."""
+        return self.reclamation in ("vtoken", "vtoken-fill")
 
     @property
     def fills_holes(self) -> bool:
-        return self.enabled and self.reclamation == "vtoken-fill"
+        return self.reclamation == "vtoken-fill"

@@ -53,6 +53,7 @@ class Sequence:
         self.generator: Optional[torch.Generator] = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
+        self.kv_config = None                   # this request's KVEvictionConfig (None: engine's)
         self.policy = None                      # per-request eviction policy state
         self.prefill_end = 0                    # tokens prefilled since the last admission
         self.policy_ran = False                 # the policy has seen this admission's prompt

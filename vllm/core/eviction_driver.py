@@ -34,15 +34,20 @@ class EvictionDriver:
         self.keep_log = config.keep_eviction_log
 
     # ---- admission ----------------------------------------------------------------------------
-    def policy(self, seq: Sequence) -> EvictionPolicy:
+    def policy(self, seq: Sequence) -> Optional[EvictionPolicy]:
+        """The request's policy (its own settings or the engine's); None: it never evicts."""
         if seq.policy is None:
-            seq.policy = make_policy(self.config, seq.seq_id, self.num_layer_heads)
+            seq.policy = make_policy(seq.kv_config or self.config, seq.seq_id,
+                                     self.num_layer_heads)
         return seq.policy
+
+    def evicts(self, seq: Sequence) -> bool:
+        return self.policy(seq) is not None
 
     def scored_queries(self, seq: Sequence) -> int:
         """How many of the last prompt queries the policy scores with (0: none, ALL: every)."""
         p = self.policy(seq)
-        if not (p.needs_attention_stats and p.needs_prefill_stats):
+        if p is None or not (p.needs_attention_stats and p.needs_prefill_stats):
             return 0
         return ALL if p.prefill_query_window is None else p.prefill_query_window
 
@@ -57,7 +62,8 @@ class EvictionDriver:
         return max(seq.num_tokens - window, 0) // self.bm.block_size
 
     def on_admit(self, seq: Sequence) -> None:
-        self.policy(seq)
+        if not self.evicts(seq):
+            return
         seq.policy_ran = False
         seq.prefill_end = seq.num_tokens
         seq.prefill_colsum = None
@@ -70,7 +76,7 @@ class EvictionDriver:
     def request_scores(self, seq: Sequence, num_new: int, req: ScoreRequest) -> None:
         """Add what this sequence's policy reads from a step of num_new tokens to `req`."""
         p = self.policy(seq)
-        if not p.needs_attention_stats:
+        if p is None or not p.needs_attention_stats:
             return
         start = seq.num_computed_tokens
         if start >= seq.prefill_end:
@@ -97,6 +103,8 @@ class EvictionDriver:
         return first if first < num_new else None
 
     def after_step(self, row: SeqStepStats) -> None:
+        if not self.evicts(row.seq):
+            return
         evict = self._run_policy(row)
         if len(evict) == 0:
             return

@@ -30,8 +30,8 @@ class KVManager:
         self.token_table = self.bm.token_table
         self.seqs: Dict[str, Sequence] = {}         # sequences holding KV
         self.reclaimer = ReclamationBackend(config, self.bm) if config.reclaims else None
-        self.eviction = EvictionDriver(config, self.bm, num_layer_heads, self.busy_blocks) \
-            if config.enabled else None
+        # always there: a request may bring its own policy (KVEvictionParams) to any engine
+        self.eviction = EvictionDriver(config, self.bm, num_layer_heads, self.busy_blocks)
         self.filler = HoleFiller(self.bm, self.busy_blocks) if config.fills_holes else None
         self.monitor = KVMonitor(self.bm)
 
@@ -49,8 +49,7 @@ class KVManager:
 
     # ---- scheduler: waiting -> running --------------------------------------------------------
     def computed_blocks(self, seq: Sequence) -> List[int]:
-        limit = self.eviction.max_cache_hits(seq) if self.eviction else None
-        return self.bm.computed_blocks(seq, limit)
+        return self.bm.computed_blocks(seq, self.eviction.max_cache_hits(seq))
 
     def can_allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> bool:
         return self.bm.can_allocate(hits, num_new_tokens)
@@ -59,13 +58,12 @@ class KVManager:
         self.bm.allocate(seq, hits, num_new_tokens)
         self.seqs[seq.seq_id] = seq
         seq.clean_tokens = None
-        if self.eviction:
-            self.eviction.on_admit(seq)
+        self.eviction.on_admit(seq)
 
     def recompute_chunk(self, seq: Sequence) -> Optional[int]:
         """Most tokens one chunk of an evicting re-prefill may take, so that evicting after each
         chunk keeps a request that outgrew the pool within it (None: no bound)."""
-        if not (self.eviction and seq.num_preemptions):
+        if not (seq.num_preemptions and self.eviction.evicts(seq)):
             return None
         return max(self.block_size, self.num_blocks // 4 * self.block_size)
 
@@ -100,9 +98,8 @@ class KVManager:
     # ---- engine: around the model step --------------------------------------------------------
     def score_request(self, scheduled: List[Tuple[Sequence, int]]) -> ScoreRequest:
         req = ScoreRequest()
-        if self.eviction:
-            for seq, n in scheduled:
-                self.eviction.request_scores(seq, n, req)
+        for seq, n in scheduled:
+            self.eviction.request_scores(seq, n, req)
         return req
 
     def copies_done(self, batch_ids: Set[int]) -> None:
@@ -114,8 +111,7 @@ class KVManager:
         (before any eviction they could see), run the policies, plan relocation."""
         for r in stats.rows:
             self.bm.cache_full_blocks(r.seq)
-            if self.eviction:
-                self.eviction.after_step(r)
+            self.eviction.after_step(r)
         if self.reclaimer:
             self.reclaimer.plan_step(list(self.seqs.values()))
         self.monitor.after_step(stats, self.seqs.values())
@@ -125,7 +121,7 @@ class KVManager:
     # ---- figures and invariants ---------------------------------------------------------------
     def stats(self) -> Dict[str, float]:
         stats = self.monitor.stats()
-        stats["evicted_tokens"] = self.eviction.evicted_tokens if self.eviction else 0
+        stats["evicted_tokens"] = self.eviction.evicted_tokens
         stats["hole_slots_reused"] = self.filler.slots_reused if self.filler else 0
         stats["prefix_cache_hit_blocks"] = self.bm.cache_hit_blocks
         stats.update(self.reclaimer.stats() if self.reclaimer else ReclamationBackend.idle_stats())

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.kv_eviction_params import KVEvictionParams
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -116,14 +117,15 @@ class AsyncLLMEngine:
         self._listeners.append(fn)
 
     # ---- the API the server uses --------------------------------------------------------------
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       kv_eviction: Optional[KVEvictionParams] = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative output after every step; the last one is finished.
         Leaving early (break, cancellation, client disconnect) aborts the request."""
         if not self.is_running:
             raise RuntimeError("the engine loop is not running")
         stream = RequestStream(request_id, asyncio.get_running_loop())
-        self._submit(lambda: self._add(stream, prompt, params))
+        self._submit(lambda: self._add(stream, prompt, params, kv_eviction))
         try:
             while True:
                 item = await stream.queue.get()
@@ -165,12 +167,14 @@ class AsyncLLMEngine:
         self._commands.put(cmd)
         self._wake.set()
 
-    def _add(self, stream: RequestStream, prompt: PromptType, params: SamplingParams) -> None:
+    def _add(self, stream: RequestStream, prompt: PromptType, params: SamplingParams,
+             kv_eviction: Optional[KVEvictionParams]) -> None:
         rid = stream.request_id
         try:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
-            self.engine.add_request(rid, prompt, params, arrival_time=stream.arrival, stream=True)
+            self.engine.add_request(rid, prompt, params, arrival_time=stream.arrival, stream=True,
+                                    kv_eviction=kv_eviction)
         except Exception as e:   # bad prompt or params: the caller gets it, the loop goes on
             stream.put(e)
             return

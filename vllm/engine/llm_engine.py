@@ -13,6 +13,7 @@ from vllm.core.kv_manager import KVManager
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.stop_checker import StopChecker
+from vllm.kv_eviction_params import KVEvictionParams
 from vllm.model_executor.gguf_loader import resolve_model
 from vllm.model_executor.model_loader import DTYPES, get_model
 from vllm.model_executor.sampler import Sampler, SamplingRow, compute_prompt_logprobs
@@ -93,7 +94,7 @@ class LLMEngine:
             "--max-model-len %d exceeds the KV pool (%d tokens): a request that grows past the "
             "pool is finished with finish_reason %r%s", self.max_model_len, pool_tokens,
             SequenceStatus.FINISHED_KV_EXHAUSTED.value,
-            "" if self.kv_config.enabled else " (no eviction policy bounds it)")
+            "" if self.kv_config.enabled else " (no default eviction policy bounds it)")
 
     def set_relocation_executor(self, executor) -> None:
         """Install the copy executor (tests install one whose completion is delayed)."""
@@ -146,15 +147,20 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
-                    stream: bool = False) -> None:
+                    stream: bool = False,
+                    kv_eviction: Optional[KVEvictionParams] = None) -> None:
+        """kv_eviction: this request's eviction settings over the engine's --kv-* defaults."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._validate_prompt(ids)
+        kv_config = kv_eviction.apply(self.kv_config) if kv_eviction is not None else None
         seqs = [Sequence(request_id if params.n == 1 else f"{request_id}#{i}", request_id, i,
                          text, ids, params, self._eos_token_id(), arrival_time)
                 for i in range(params.n)]
+        for seq in seqs:
+            seq.kv_config = kv_config
         self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, stream)
         for seq in seqs:
             self.scheduler.add(seq)

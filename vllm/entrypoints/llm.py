@@ -6,6 +6,7 @@ from tqdm import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.kv_eviction_params import KVEvictionParams
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -20,19 +21,20 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Seq[PromptType]],
                  sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> List[RequestOutput]:
+                 use_tqdm: bool = True,
+                 kv_eviction: Union[KVEvictionParams, Seq[Optional[KVEvictionParams]],
+                                    None] = None) -> List[RequestOutput]:
+        """kv_eviction: eviction settings for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        params = _per_prompt(sampling_params or SamplingParams(), SamplingParams, prompts,
+                             "sampling params")
+        evictions = _per_prompt(kv_eviction, KVEvictionParams, prompts, "kv_eviction settings")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, ev in zip(prompts, params, evictions):
                 ids.append(str(next(self._ids)))
-                self.llm_engine.add_request(ids[-1], prompt, p)
+                self.llm_engine.add_request(ids[-1], prompt, p, kv_eviction=ev)
         except Exception:
             self.llm_engine.abort_request(ids)
             raise
@@ -41,11 +43,13 @@ class LLM:
     def chat(self, messages: Union[List[Dict], List[List[Dict]]],
              sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
-             add_generation_prompt: bool = True) -> List[RequestOutput]:
+             add_generation_prompt: bool = True,
+             kv_eviction: Union[KVEvictionParams, Seq[Optional[KVEvictionParams]],
+                                None] = None) -> List[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, kv_eviction)
 
     def apply_chat_template(self, messages: List[Dict], chat_template: Optional[str] = None,
                             add_generation_prompt: bool = True) -> Dict:
@@ -73,3 +77,12 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _per_prompt(value, single_type, prompts, what: str) -> list:
+    """One value for every prompt, or a list with one per prompt."""
+    if value is None or isinstance(value, single_type):
+        return [value] * len(prompts)
+    if len(value) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(value)} {what}")
+    return list(value)

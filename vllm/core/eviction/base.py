@@ -19,13 +19,14 @@ from vllm.config import KVEvictionConfig
 def token_budget(config: KVEvictionConfig, seq_len: int, minimum: int) -> int:
     """Tokens a request of total length `seq_len` may keep: the fixed --kv-budget-tokens if given,
     else floor((1 - r) * n) for --kv-eviction-ratio r (r = 0: n, nothing evicted); never below
-    `minimum`, since sinks and the policy's recent tokens cannot be evicted."""
+    --kv-min-tokens (short contexts are left alone) nor `minimum`, since sinks and the policy's
+    recent tokens cannot be evicted."""
     if config.budget_tokens is not None:
         target = config.budget_tokens
     else:
         # The epsilon absorbs binary rounding: (1 - 0.9) * 10 = 0.9999999999999998 -> 1, not 0.
         target = math.floor((1.0 - config.eviction_ratio) * seq_len + 1e-6)
-    return max(minimum, target)
+    return max(minimum, config.min_tokens, target)
 
 
 def grown(array: np.ndarray, size: int) -> np.ndarray:

@@ -70,10 +70,13 @@ class ReclamationBackend:
         self.planner_time += time.perf_counter() - t0
 
     def _plan(self, seq: Sequence) -> Optional[RelocationPlan]:
+        tt = self.bm.token_table
+        if tt.num_live(seq.seq_id) == tt.length(seq.seq_id):
+            return None                               # nothing evicted: nothing to repack
         blocks = candidate_blocks(seq, self.bm, busy=set())
         if len(blocks) < 2:
             return None
-        tt, bs = self.bm.token_table, self.bm.block_size
+        bs = self.bm.block_size
         ids, slots = tt.live_ids(seq.seq_id), tt.live_slots(seq.seq_id).astype(np.int64)
         inside = block_positions(slots, blocks, bs) >= 0
         if not is_eligible(seq, len(blocks), int(inside.sum()), bs, self.config.frag_threshold):

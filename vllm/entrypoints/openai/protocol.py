@@ -58,15 +58,24 @@ class ModelList(ResponseModel):
     data: List[ModelCard]
 
 
+class KVUsage(ResponseModel):
+    """The request's KV figures (ours, not OpenAI's): summed over its prompts and samples."""
+    evicted_tokens: int = 0
+    live_tokens: int = 0
+    peak_blocks: int = 0
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    kv: Optional[KVUsage] = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           kv: Optional[KVUsage] = None) -> "UsageInfo":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, kv=kv)
 
 
 class StreamOptions(RequestModel):
@@ -98,6 +107,12 @@ class SamplingRequest(RequestModel):
     stop_token_ids: Optional[List[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # ours: this request's KV eviction over the server's --kv-* defaults (validated in
+    # KVEvictionParams, so the 400 names the field)
+    kv_eviction_policy: Optional[str] = None
+    kv_eviction_ratio: Optional[float] = None
+    kv_budget_tokens: Optional[int] = None
+    kv_min_tokens: Optional[int] = None
 
 
 class CompletionRequest(SamplingRequest):

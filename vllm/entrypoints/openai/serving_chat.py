@@ -67,11 +67,12 @@ class OpenAIServingChat(OpenAIServing):
                                          req.max_completion_tokens or req.max_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs)
+        kv = self.kv_eviction(req)
         request_id = random_id("chatcmpl")
         if req.stream:
-            return StreamingResponse(self._stream(req, model, prompt, params, request_id),
+            return StreamingResponse(self._stream(req, model, prompt, params, request_id, kv),
                                      media_type="text/event-stream")
-        final = (await self.collect([prompt], params, request_id, raw_request))[0]
+        final = (await self.collect([prompt], params, request_id, raw_request, kv))[0]
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                               logprobs=self._logprobs(c, 0, len(c.token_ids), req.top_logprobs)
                               if req.logprobs else None,
@@ -79,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
                    for c in final.outputs]
         n_out = sum(len(c.token_ids) for c in final.outputs)
         n_in = len(final.prompt_token_ids)
-        usage = UsageInfo.of(n_in, n_out)
+        usage = UsageInfo.of(n_in, n_out, self.kv_usage([final]))
         resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return JSONResponse(resp.model_dump())
 
@@ -93,12 +94,12 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     # ---- streaming ---------------------------------------------------------------------------
-    async def _stream(self, req, model, prompt, params, request_id) -> AsyncIterator[str]:
+    async def _stream(self, req, model, prompt, params, request_id, kv) -> AsyncIterator[str]:
         deltas = [TextDelta(params.stop) for _ in range(req.n)]
         opts = req.stream_options
         n_in = len(prompt["prompt_token_ids"])
-        n_out = 0
-        gen = self.generate_many([prompt], params, request_id)
+        n_out, finals = 0, []
+        gen = self.generate_many([prompt], params, request_id, kv)
         try:
             for i in range(req.n):
                 yield sse(self._chunk(request_id, model, i, {"role": "assistant", "content": ""}))
@@ -114,9 +115,10 @@ class OpenAIServingChat(OpenAIServing):
                     yield sse(chunk)
                 if out.finished:
                     n_out = sum(len(c.token_ids) for c in out.outputs)
+                    finals.append(out)
             if opts and opts.include_usage:
                 yield usage_chunk(request_id, "chat.completion.chunk", model,
-                                  UsageInfo.of(n_in, n_out))
+                                  UsageInfo.of(n_in, n_out, self.kv_usage(finals)))
         except Exception as e:
             yield self.stream_errors(e)
         finally:

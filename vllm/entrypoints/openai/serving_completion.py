@@ -23,11 +23,12 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = min(self.max_tokens_for(len(p["prompt_token_ids"]), req.max_tokens)
                          for p in prompts)
         params = self.sampling_params(req, max_tokens, req.logprobs)
+        kv = self.kv_eviction(req)
         request_id = random_id("cmpl")
         if req.stream:
-            return StreamingResponse(self._stream(req, model, prompts, params, request_id),
+            return StreamingResponse(self._stream(req, model, prompts, params, request_id, kv),
                                      media_type="text/event-stream")
-        finals = await self.collect(prompts, params, request_id, raw_request)
+        finals = await self.collect(prompts, params, request_id, raw_request, kv)
         return JSONResponse(self._response(req, model, request_id, prompts, finals).model_dump())
 
     def _prompts(self, req: CompletionRequest) -> List[Dict]:
@@ -62,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 n_out += len(c.token_ids)
             n_in += len(final.prompt_token_ids)
         return CompletionResponse(id=request_id, model=model, choices=choices,
-                                  usage=UsageInfo.of(n_in, n_out))
+                                  usage=UsageInfo.of(n_in, n_out, self.kv_usage(finals)))
 
     @staticmethod
     def _logprobs(c: CompletionOutput, start: int, end: int, offset: int) -> CompletionLogprobs:
@@ -78,13 +79,14 @@ class OpenAIServingCompletion(OpenAIServing):
         return lp
 
     # ---- streaming ---------------------------------------------------------------------------
-    async def _stream(self, req, model, prompts, params, request_id) -> AsyncIterator[str]:
+    async def _stream(self, req, model, prompts, params, request_id, kv) -> AsyncIterator[str]:
         n = req.n
         deltas = [TextDelta(params.stop) for _ in range(len(prompts) * n)]
         offsets = [0] * len(deltas)
         n_in = n_out = 0
+        finals = []
         opts = req.stream_options
-        gen = self.generate_many(prompts, params, request_id)
+        gen = self.generate_many(prompts, params, request_id, kv)
         try:
             if req.echo:
                 for i, p in enumerate(prompts):
@@ -107,8 +109,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if out.finished:
                     n_in += len(out.prompt_token_ids)
                     n_out += sum(len(c.token_ids) for c in out.outputs)
+                    finals.append(out)
             if opts and opts.include_usage:
-                yield usage_chunk(request_id, "text_completion", model, UsageInfo.of(n_in, n_out))
+                yield usage_chunk(request_id, "text_completion", model,
+                                  UsageInfo.of(n_in, n_out, self.kv_usage(finals)))
         except Exception as e:
             yield self.stream_errors(e)
         finally:

@@ -10,7 +10,8 @@ from fastapi import Request
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
 from vllm.entrypoints.openai.errors import OpenAIError
-from vllm.entrypoints.openai.protocol import SamplingRequest, UsageInfo, now_s
+from vllm.entrypoints.openai.protocol import KVUsage, SamplingRequest, UsageInfo, now_s
+from vllm.kv_eviction_params import KVEvictionParams
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceStatus
@@ -147,13 +148,33 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
 
+    @staticmethod
+    def kv_eviction(req: SamplingRequest) -> Optional[KVEvictionParams]:
+        fields = (req.kv_eviction_policy, req.kv_eviction_ratio, req.kv_budget_tokens,
+                  req.kv_min_tokens)
+        if all(f is None for f in fields):
+            return None
+        try:
+            return KVEvictionParams(*fields)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=str(e).split(":", 1)[0]) from None
+
+    @staticmethod
+    def kv_usage(finals: Sequence[RequestOutput]) -> KVUsage:
+        def total(key):
+            return int(sum(f.kv_stats.get(key, 0) for f in finals))
+        return KVUsage(evicted_tokens=total("evicted_tokens"), live_tokens=total("live_tokens"),
+                       peak_blocks=total("peak_blocks"))
+
     # ---- running requests -----------------------------------------------------------------------
-    async def generate_many(self, prompts: List[Dict], params: SamplingParams,
-                            request_id: str) -> AsyncIterator[Tuple[int, RequestOutput]]:
+    async def generate_many(self, prompts: List[Dict], params: SamplingParams, request_id: str,
+                            kv_eviction: Optional[KVEvictionParams] = None
+                            ) -> AsyncIterator[Tuple[int, RequestOutput]]:
         """Runs every prompt as its own engine request and yields (prompt index, output) as
         they come. Closing the iterator (or a failure of one prompt) aborts all of them."""
         if len(prompts) == 1:
-            async for out in self._guarded(self.engine.generate(prompts[0], params, request_id)):
+            gen = self.engine.generate(prompts[0], params, request_id, kv_eviction)
+            async for out in self._guarded(gen):
                 yield 0, _unless_exhausted(out)
             return
         q: asyncio.Queue = asyncio.Queue()
@@ -161,7 +182,8 @@ class OpenAIServing:
 
         async def pump(i: int, prompt: Dict) -> None:
             try:
-                async for out in self.engine.generate(prompt, params, f"{request_id}-{i}"):
+                async for out in self.engine.generate(prompt, params, f"{request_id}-{i}",
+                                                      kv_eviction):
                     q.put_nowait((i, out))
             except Exception as e:
                 q.put_nowait((i, e))
@@ -203,12 +225,13 @@ class OpenAIServing:
         return OpenAIError(f"internal error: {e!r}", status=500)
 
     async def collect(self, prompts: List[Dict], params: SamplingParams, request_id: str,
-                      raw_request: Optional[Request]) -> List[RequestOutput]:
+                      raw_request: Optional[Request],
+                      kv_eviction: Optional[KVEvictionParams] = None) -> List[RequestOutput]:
         """Final outputs in prompt order; the requests are aborted if the client goes away."""
         finals: List[Optional[RequestOutput]] = [None] * len(prompts)
 
         async def consume():
-            gen = self.generate_many(prompts, params, request_id)
+            gen = self.generate_many(prompts, params, request_id, kv_eviction)
             try:
                 async for i, out in gen:
                     if out.finished:

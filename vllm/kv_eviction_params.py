@@ -1,0 +1,46 @@
+"""KVEvictionParams: one request's eviction settings, over the engine's defaults.
+
+    LLM(...).generate(prompts, params, kv_eviction=KVEvictionParams(policy="h2o", budget_tokens=512))
+    POST /v1/completions {"prompt": ..., "kv_eviction_policy": "h2o", "kv_budget_tokens": 512}
+
+Fields left None take the engine's value (its --kv-* flags). The reclamation mode stays
+engine-wide: it decides where bytes live, not what a request computes.
+"""
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from vllm.config import EVICTION_POLICIES, KVEvictionConfig
+
+
+@dataclass(frozen=True)
+class KVEvictionParams:
+    policy: Optional[str] = None             # one of EVICTION_POLICIES ("none": no eviction)
+    eviction_ratio: Optional[float] = None   # in [0, 1): budget = floor((1 - r) * length)
+    budget_tokens: Optional[int] = None      # >= 1: a fixed budget instead of the ratio
+    min_tokens: Optional[int] = None         # >= 0: never fewer live tokens than this
+
+    def __post_init__(self):
+        # names as the OpenAI request bodies spell them
+        if self.policy is not None and self.policy not in EVICTION_POLICIES:
+            raise ValueError(f"kv_eviction_policy: must be one of {EVICTION_POLICIES}, "
+                             f"got {self.policy!r}")
+        if self.eviction_ratio is not None and not 0.0 <= self.eviction_ratio < 1.0:
+            raise ValueError(f"kv_eviction_ratio: must be in [0, 1), got {self.eviction_ratio}")
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise ValueError(f"kv_budget_tokens: must be >= 1, got {self.budget_tokens}")
+        if self.min_tokens is not None and self.min_tokens < 0:
+            raise ValueError(f"kv_min_tokens: must be >= 0, got {self.min_tokens}")
+
+    def apply(self, config: KVEvictionConfig) -> KVEvictionConfig:
+        """The engine's config with this request's settings; a ratio given without a budget
+        replaces the engine's fixed budget."""
+        changes = {k: v for k, v in (("policy", self.policy),
+                                      ("eviction_ratio", self.eviction_ratio),
+                                      ("budget_tokens", self.budget_tokens),
+                                      ("min_tokens", self.min_tokens)) if v is not None}
+        if self.eviction_ratio is not None and self.budget_tokens is None:
+            changes["budget_tokens"] = None
+        if self.policy is not None and self.policy != config.policy:
+            changes.setdefault("sink_tokens", None)       # the new policy's own default
+        return dataclasses.replace(config, **changes)
