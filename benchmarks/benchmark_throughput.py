@@ -43,12 +43,16 @@ def main():
     args = p.parse_args()
     common.setup(args)
     import transformers
-    from vllm import LLM
+    from vllm import LLM, cpu_kernel_plan
     from vllm import _custom_ops as ops
     from vllm.model_executor.gguf_loader import resolve_model
     batches = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 32])
     model_dir = resolve_model(args.model)
+    print(common.machine())
     llm = LLM(model_dir, max_num_seqs=max(batches))
+    plan = cpu_kernel_plan.decisions()              # the paths the engine's model chose
+    if plan:
+        print(f"kernel plan ({plan['source']}): {cpu_kernel_plan.summary(plan)}")
     with ops.forced_backend("torch"):
         llm_torch = LLM(model_dir, max_num_seqs=max(batches))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -86,7 +90,8 @@ def main():
     ax.set_title("Offline throughput, default model, fp32, 2-core CPU", fontsize=9)
     ax.set_ylim(0, 1.45 * max(r["engine_tok_s"] for r in rows))     # room for the legend
     ax.legend(fontsize=8, loc="upper left")
-    common.save("benchmark_throughput", {"args": vars(args), "rows": rows, "table": text}, fig)
+    common.save("benchmark_throughput", {"args": vars(args), "rows": rows, "table": text,
+                                         "kernel_plan": plan}, fig)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,17 @@ Workload = List[Tuple[List[int], int]]          # (prompt token ids, output leng
 POLICIES = ("h2o", "scissorhands", "random", "streamingllm")
 
 
+def cpu_info() -> Dict[str, str]:
+    """The CPU's model name and the C kernels' instruction-set variant (vllm/cpu_kernels.py)."""
+    from vllm import cpu_kernels
+    isa = cpu_kernels.active_isa() if cpu_kernels.available() else "off (torch path)"
+    return {"cpu": cpu_kernels.cpu_name(), "isa": isa, "cores": str(os.cpu_count())}
+
+
 def machine() -> str:
-    return (f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}, shared), "
-            f"fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    info = cpu_info()
+    return (f"{info['cores']}-core {info['cpu']} ({platform.machine()}, shared), C kernels "
+            f"{info['isa']}, fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -205,7 +213,7 @@ VARIANTS = {   # name -> engine keyword arguments (added to the policy)
 
 
 def variant_kwargs(variant: str, policy: str) -> Dict:
-    kw = dict(VARIANTS[variant])
+    kw = dict(VARIANTS[variant], kv_min_tokens=0)    # the paper's setups: no floor
     kw.setdefault("kv_eviction_policy", policy)
     return kw
 
@@ -223,7 +231,7 @@ def generate(llm, work: Workload, seed: int = 0):
 def run_variant(model, work: Workload, policy: str, reclamation: str, args) -> Dict:
     """One engine per (policy, --kv-reclamation) on the workload: footprint and KV statistics."""
     from vllm import LLM
-    llm = LLM(model, kv_eviction_policy=policy, kv_eviction_ratio=args.ratio,
+    llm = LLM(model, kv_eviction_policy=policy, kv_eviction_ratio=args.ratio, kv_min_tokens=0,
               kv_reclamation=reclamation, max_num_seqs=len(work), block_size=args.block_size,
               seed=args.seed)
     outs, secs = generate(llm, work)
@@ -281,7 +289,7 @@ def table(rows: Sequence[Dict], cols: Sequence[str], title: str = "") -> str:
 
 def save(name: str, data: Dict, fig=None) -> None:
     os.makedirs(RESULTS, exist_ok=True)
-    data = {"benchmark": name, "machine": machine(), **data}
+    data = {"benchmark": name, "machine": machine(), **cpu_info(), **data}
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(data, f, indent=1, default=float)
     if fig is not None:

@@ -1,6 +1,7 @@
 """Kernels against torch references on CPU: the Triton relocation and decode-attention kernels
 (under TRITON_INTERPRET=1), the dispatch rules of vllm/_custom_ops.py, and prefill dispatch."""
 import os
+import platform
 import sys
 import types
 
@@ -163,6 +164,17 @@ def test_triton_kernels_compile_for_sm90():
 cpu_built = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 
 
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request, monkeypatch):
+    """Each instruction-set variant this CPU can run (generic always), active for the test."""
+    if request.param not in cpu_kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot run {request.param}")
+    monkeypatch.setenv("VLLM_CPU_ISA", request.param)
+    cpu_kernels.active_isa.cache_clear()
+    yield request.param
+    cpu_kernels.active_isa.cache_clear()
+
+
 def test_cpu_kernels_build_where_a_compiler_exists():
     """A source that stops compiling would silently fall back to torch: fail loudly instead."""
     import shutil
@@ -172,22 +184,66 @@ def test_cpu_kernels_build_where_a_compiler_exists():
 
 
 @cpu_built
-@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 33, 100])   # > 16: pairs of panels
+def test_isa_variants_build_with_their_panel_width(isa):
+    assert cpu_kernels.library(isa).vtok_isa().decode() == isa
+    width = {"avx512": 16, "avx2": 8, "generic": 4}[isa]
+    assert cpu_kernels.panel_width() == width
+    assert cpu_kernels.pack_weight(torch.ones(3, 2 * width + 1)).shape == (3, 3, width)
+
+
+@pytest.mark.parametrize("variant", cpu_kernels.ISAS)
+def test_every_variant_compiles(tmp_path, variant):
+    """Also the ones this CPU cannot run (compiled only, never loaded)."""
+    import shutil
+    import subprocess
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None or (variant != "generic" and platform.machine() != "x86_64"):
+        pytest.skip("no C compiler for this variant")
+    run = subprocess.run([cc, "-O1", *cpu_kernels._CFLAGS[variant], "-fopenmp", "-Wall",
+                          "-Werror", "-c", str(cpu_kernels.SOURCE), "-o", str(tmp_path / "k.o")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_isa_detection_and_forcing(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_cpu_model", lambda: "model name : X\nflags : fpu sse2")
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    assert cpu_kernels.runnable_isas() == ["generic"]
+    flags = "flags : sse2 avx2 fma avx512f avx512bw avx512vl avx512dq"
+    monkeypatch.setattr(cpu_kernels, "_cpu_model", lambda: flags)
+    assert cpu_kernels.runnable_isas() == ["avx512", "avx2", "generic"]
+    monkeypatch.setattr(cpu_kernels, "_cpu_model", lambda: "flags : sse2 avx2 fma")
+    for forced, expect in [(None, "avx2"), ("generic", "generic"), ("avx512", ValueError),
+                           ("sse9", ValueError)]:
+        if forced:
+            monkeypatch.setenv("VLLM_CPU_ISA", forced)
+        cpu_kernels.active_isa.cache_clear()
+        if expect is ValueError:
+            with pytest.raises(ValueError, match="VLLM_CPU_ISA"):
+                cpu_kernels.active_isa()
+        else:
+            assert cpu_kernels.active_isa() == expect
+    cpu_kernels.active_isa.cache_clear()
+
+
+@cpu_built
+@pytest.mark.parametrize("m", [1, 2, 7, 13, 16, 17, 33, 200])  # tails of both row tiles
 @pytest.mark.parametrize("k,n", [(5, 7), (64, 48), (96, 200)])       # n not a multiple of 16 too
-def test_packed_gemm_matches_torch(m, k, n):
+def test_packed_gemm_matches_torch(isa, m, k, n):
     g = torch.Generator().manual_seed(m * k + n)
     x, w, bias = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g), \
         torch.randn(n, generator=g)
+    res = torch.randn(m, n, generator=g)
     packed = cpu_kernels.pack_weight(w)
     assert rel_err(cpu_kernels.packed_gemm(x, packed, n), x.double() @ w.double()) < 1e-6
-    assert rel_err(cpu_kernels.packed_gemm(x, packed, n, bias),
-                   x.double() @ w.double() + bias.double()) < 1e-6
+    assert rel_err(cpu_kernels.packed_gemm(x, packed, n, bias, res),
+                   x.double() @ w.double() + bias.double() + res.double()) < 1e-6
 
 
 @cpu_built
 @pytest.mark.parametrize("h,kvh,d", [(4, 2, 16), (8, 1, 64), (3, 3, 32), (9, 3, 128),
                                      (14, 2, 64)])          # 7 query heads per KV head: 4 + 3
-def test_cpu_decode_matches_reference(h, kvh, d):
+def test_cpu_decode_matches_reference(isa, h, kvh, d):
     lens = [5, 37, 1, 20, 0]                             # ragged, one row of padding only
     kv, slots, lens_t = paged_scene(lens, kvh, d, seed=h + d, pad=-1)
     q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(3))
@@ -202,7 +258,7 @@ def test_cpu_decode_matches_reference(h, kvh, d):
 
 @cpu_built
 @pytest.mark.parametrize("m", [1, 16, 100])                 # 100: rows split across threads
-def test_cpu_rms_norm_and_silu_mul_match_torch(m):
+def test_cpu_rms_norm_and_silu_mul_match_torch(isa, m):
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 48, generator=g) * 3, torch.randn(48, generator=g)
     ref = torch.nn.functional.rms_norm(x.double(), (48,), w.double(), 1e-5)
@@ -215,7 +271,7 @@ def test_cpu_rms_norm_and_silu_mul_match_torch(m):
 
 @cpu_built
 @pytest.mark.parametrize("t", [3, 100])                    # 100: tokens split across threads
-def test_cpu_rope_and_kv_write_match_torch(t):
+def test_cpu_rope_and_kv_write_match_torch(isa, t):
     from vllm.attention.backend import write_kv
     from vllm.model_executor.models.llama import Rotary
     h, kvh, d = 4, 2, 16
@@ -236,12 +292,151 @@ def test_cpu_rope_and_kv_write_match_torch(t):
     assert rel_err(kv, kv_ref) < 1e-6 and torch.equal(kv[:, 1], kv_ref[:, 1])
 
 
+# ---- the load-time choice (vllm/cpu_kernel_plan.py) and the model's use of it ------------------
+def _layer_scene(seed=0, m=5, hidden=64, heads=4, kv_heads=2, d=16, inter=96, context=40):
+    """One decoder layer's config and weights, and a decode step of m rows over `context`
+    cached keys each: (cfg, weights, x, positions, kv_cache, meta)."""
+    from types import SimpleNamespace
+    from vllm.attention.backend import AttentionMetadata
+    g = torch.Generator().manual_seed(seed)
+    cfg = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
+                          rms_norm_eps=1e-5)
+    shapes = {"self_attn.q_proj": (heads * d, hidden), "self_attn.k_proj": (kv_heads * d, hidden),
+              "self_attn.v_proj": (kv_heads * d, hidden), "self_attn.o_proj": (hidden, heads * d),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    w = {f"l.{n}.weight": torch.randn(*s, generator=g) * 0.2 for n, s in shapes.items()}
+    w.update({f"l.{n}.weight": 1 + 0.1 * torch.randn(hidden, generator=g)
+              for n in ("input_layernorm", "post_attention_layernorm")})
+    w.update({f"l.self_attn.{n}_proj.bias": torch.randn(s[0], generator=g) * 0.1
+              for n, s in zip("qkv", (shapes["self_attn.q_proj"], shapes["self_attn.k_proj"],
+                                      shapes["self_attn.v_proj"]))})
+    views = torch.randperm(m * context, generator=g).view(m, context)
+    meta = AttentionMetadata(slot_mapping=torch.arange(m * context, m * context + m),
+                             num_decodes=m, decode_views=views,
+                             decode_lens=torch.full((m,), context))
+    kv = torch.randn(m * context + m, 2, kv_heads, d, generator=g)
+    x = torch.randn(m, hidden, generator=g)
+    return cfg, w, x, torch.randint(0, 100, (m,), generator=g), kv, meta
+
+
+def _forced_plan(monkeypatch, path, shapes, attention=(4, 2, 16)):
+    from vllm import cpu_kernel_plan
+    monkeypatch.setenv("VLLM_CPU_GEMM", path)
+    return cpu_kernel_plan.plan_model(shapes, *attention, layers=1)
+
+
 @cpu_built
-@pytest.mark.parametrize("m", [3, cpu_kernels.MAX_GEMM_ROWS + 1, 300])   # C GEMM / MKL on panels
-def test_linear_on_panels_any_rows(m):
-    g = torch.Generator().manual_seed(m)
-    x, w = torch.randn(m, 40, generator=g), torch.randn(40, 70, generator=g)
-    bias, res = torch.randn(70, generator=g), torch.randn(m, 70, generator=g)
-    ref = x.double() @ w.double() + bias.double() + res.double()
-    got = cpu_kernels.linear(x, cpu_kernels.pack_weight(w), 70, bias, res)
-    assert got.shape == (m, 70) and rel_err(got, ref) < 1e-6
+@pytest.mark.parametrize("path", ["c", "torch", pytest.param("mkl", marks=pytest.mark.skipif(
+    not hasattr(torch.ops.mkl, "_mkl_linear"), reason="no MKL packed GEMM in this torch"))])
+def test_forced_gemm_paths_agree_and_keep_one_layout(monkeypatch, path):
+    from vllm.model_executor.models.llama import Linear
+    g = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(40, 70, generator=g), torch.randn(70, generator=g)
+    plan = _forced_plan(monkeypatch, path, {(40, 70): 1})
+    last = "torch" if path == "mkl" else path                   # MKL: up to 128 rows
+    assert plan.source == "forced" and plan.gemm["40x70"] == [path] * 7 + [last]
+    lin = Linear(w, bias, plan)
+    kept = {"c": lin.packed is not None, "torch": lin.wt is not None, "mkl": bool(lin.mkl)}
+    assert kept == {p: p in (path, last) for p in kept}         # only the layouts it uses
+    for m in (1, 3, 16, 100, 300):                              # bands incl. padded MKL rows
+        x, res = torch.randn(m, 40, generator=g), torch.randn(m, 70, generator=g)
+        ref = x.double() @ w.double() + bias.double() + res.double()
+        assert rel_err(lin(x, residual=res), ref) < 1e-6
+
+
+def test_band_of_rows():
+    from vllm.cpu_kernel_plan import BANDS, band
+    for i, (lo, hi) in enumerate(BANDS):
+        assert band(lo) == i and band(hi or 10 ** 6) == i
+
+
+def test_gemm_choice_keeps_one_layout_unless_another_wins_by_the_margin():
+    from vllm.cpu_kernel_plan import _choose_gemm
+    inf = float("inf")
+    times = {"c": [1, 1, 1, 1, 2, 2, 2, 2], "torch": [0.95, 2, 2, 2, 1, 1, 1, 1.7],
+             "mkl": [2, 0.5, 2, 2, 2, 2, 2, inf]}
+    # torch wins 5 bands -> primary; mkl is 50% faster in band 1, c 50% in bands 2 and 3
+    assert _choose_gemm(times) == ["torch", "mkl", "c", "c", "torch", "torch", "torch", "torch"]
+    times["torch"][0] = 1.05                      # c wins band 0 by 5% only: torch stays
+    assert _choose_gemm(times)[0] == "torch"
+
+
+@cpu_built
+def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
+    """Timing outcomes are not checked (they depend on the host), only the decision's shape,
+    its JSON form, and that a second load reads the cache instead of timing."""
+    import json
+    from vllm import cpu_kernel_plan as kp
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
+    monkeypatch.setattr(kp, "STREAM_BYTES", 1)          # tiny shapes are timed, on one copy
+    monkeypatch.setattr(kp, "CALLS", 1)
+    monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
+    shapes = {(32, 48): 2, (48, 32): 2}
+    plan = kp.plan_model(shapes, 4, 2, 16, layers=2)
+    assert plan.source == "timed"
+    kp.choose_decode_layer(plan, lambda m, fused: [lambda: None])
+    d = kp.decisions()
+    assert json.loads(json.dumps(d)) == d
+    assert set(d["gemm"]) == {"32x48", "48x32"} and len(d["bands"]) == len(kp.BANDS)
+    assert all(len(p) == len(kp.BANDS) and set(p) <= set(kp.GEMM_PATHS) for p in d["gemm"].values())
+    assert set(d["attention"]) <= {"c", "torch"} and d["decode_layer"][-1] is False
+    assert len(d["timings_ms"]["decode_layer"]["fused"]) == len(kp.BANDS) - 1
+    assert os.path.exists(d["cache_path"]) and d["cache_path"].startswith(str(tmp_path))
+
+    monkeypatch.setattr(kp, "_time_gemm", None)          # a second load must not time
+    again = kp.plan_model(shapes, 4, 2, 16, layers=2)
+    assert again.source == "cache" and again.gemm == plan.gemm
+    assert again.decode_layer == plan.decode_layer and again.attention == plan.attention
+
+
+@cpu_built
+def test_busy_host_gives_the_c_plan_uncached(monkeypatch, tmp_path):
+    from vllm import cpu_kernel_plan as kp
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
+    monkeypatch.setattr(kp, "STREAM_BYTES", 1)
+    monkeypatch.setattr(kp, "BUSY_RETRIES", 1)
+    monkeypatch.setattr(kp, "_region_seconds", lambda: 1.0)     # every region waits a tick
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
+    assert plan.source == "busy" and plan.gemm["32x48"] == ["c"] * len(kp.BANDS)
+    kp.choose_decode_layer(plan, lambda m, fused: [lambda: None])
+    assert not list(tmp_path.rglob("plan-*.json"))
+
+
+@cpu_built
+def test_small_models_take_the_c_path_untimed(monkeypatch):
+    from vllm import cpu_kernel_plan as kp
+    monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
+    monkeypatch.setattr(kp, "_time_gemm", None)
+    plan = kp.plan_model({(64, 64): 2}, 4, 2, 16, layers=2)
+    assert plan.source == "small" and set(plan.gemm["64x64"]) == {"c"}
+    with pytest.raises(ValueError, match="VLLM_CPU_GEMM"):
+        _forced_plan(monkeypatch, "blas", {(64, 64): 2})
+
+
+@cpu_built
+@pytest.mark.parametrize("gemm", ["c", "torch"])
+def test_decode_layer_matches_the_torch_path(isa, monkeypatch, gemm):
+    """The fused C layer (VLLM_CPU_GEMM=c) or the per-op path on x @ Wt, against the layer's
+    pure torch path (C kernels off, as VLLM_KERNEL_BACKEND=torch)."""
+    from vllm.model_executor.models.llama import DecoderLayer, Rotary
+    cfg, w, x, positions, kv, meta = _layer_scene()
+    rotary = Rotary(16, 128, 10000.0, {"rope_type": "default"}, torch.float32)
+    cos, sin = rotary.cos[positions], rotary.sin[positions]
+    with ops.forced_backend("torch"):
+        ref_kv = kv.clone()
+        ref = DecoderLayer(cfg, w, "l", None)(x, cos, sin, rotary, ref_kv, meta)
+    plan = _forced_plan(monkeypatch, gemm, {(64, 128): 1, (64, 64): 1, (64, 192): 1, (96, 64): 1})
+    layer = DecoderLayer(cfg, w, "l", plan)
+    if gemm == "c":
+        assert layer.fused is not None and plan.use_decode_layer(x.shape[0])
+        scratch = cpu_kernels.decode_scratch(layer.fused, x.shape[0], meta.decode_views)
+        out = cpu_kernels.decode_layer(layer.fused, x.clone(), cos, sin, meta.slot_mapping, kv,
+                                       meta.decode_views, meta.decode_lens, None, scratch)
+    else:
+        assert layer.fused is None and not plan.use_decode_layer(x.shape[0])
+        out = layer(x, cos, sin, rotary, kv, meta)
+    assert rel_err(out, ref) < 1e-5 and rel_err(kv, ref_kv) < 1e-6

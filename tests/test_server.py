@@ -55,7 +55,9 @@ def test_models_health_version(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json()["version"]
+    version = httpx.get(server.url + "/version").json()
+    assert version["version"] and version["engine"]["cpu"]
+    assert version["engine"]["cpu_kernels"] in ("avx512", "avx2", "generic", "off")
 
 
 # ---- outputs equal the offline API ------------------------------------------------------------

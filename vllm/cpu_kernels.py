@@ -1,11 +1,16 @@
 """The float32 CPU kernels of csrc/cpu/decode_kernels.c: packed GEMM, paged decode attention,
 RMSNorm, SiLU-and-multiply, and rotary embedding fused with the K/V cache write.
 
-Compiled on first use with the system C compiler (-O3 -march=native -fopenmp) into
-<cache root>/cpu_kernels/, keyed by the source's hash and the CPU model, and loaded with ctypes.
-The library links the same libgomp as torch, so both share one OpenMP pool and
-torch.set_num_threads() governs both. No C compiler, or VLLM_CPU_KERNELS=0 (or
-VLLM_KERNEL_BACKEND=torch): `available()` is False and callers keep their torch path.
+The source is built once per instruction-set variant, the one this CPU runs best:
+    avx512   CPU flag avx512f (+bw, vl, dq)   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma
+    avx2     CPU flags avx2 and fma            -mavx2 -mfma
+    generic  anything else (Arm, old x86)      no -m flags: SSE2 / NEON / scalar
+VLLM_CPU_ISA=avx512|avx2|generic forces one; forcing one this CPU cannot run is a ValueError.
+Compiled on first use with the system C compiler (-O3 -fopenmp and the flags above; x86 variants
+also -mtune=native) into <cache root>/cpu_kernels/, keyed by the source's hash, the variant and
+the CPU, and loaded with ctypes. The library links the same libgomp as torch, so both share
+one OpenMP pool and torch.set_num_threads() governs both. No C compiler, or VLLM_CPU_KERNELS=0
+(or VLLM_KERNEL_BACKEND=torch): `available()` is False and callers keep their torch path.
 """
 import ctypes
 import functools
@@ -15,7 +20,7 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -27,8 +32,13 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
 SOURCE = next((p for p in (_HERE / "_csrc" / "decode_kernels.c",
                            _HERE.parent / "csrc" / "cpu" / "decode_kernels.c") if p.exists()), None)
-PANEL = 16                    # must match PANEL in the C source
-MAX_GEMM_ROWS = 128           # the C GEMM's range; above it MKL is faster (compute-bound)
+ISAS = ("avx512", "avx2", "generic")
+# the CPU flags each variant needs, and how it is compiled
+_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"},
+          "avx2": {"avx2", "fma"}, "generic": set()}
+_CFLAGS = {"avx512": ["-DVTOK_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                      "-mavx512dq", "-mavx2", "-mfma", "-mtune=native"],
+           "avx2": ["-DVTOK_ISA_AVX2", "-mavx2", "-mfma", "-mtune=native"], "generic": []}
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -43,7 +53,7 @@ class LayerWeights(ctypes.Structure):
 
 
 def _cpu_model() -> str:
-    """The CPU's name and instruction-set flags: -march=native code is only valid on a match."""
+    """The CPU's name and instruction-set flags (a compiled variant is only reused on a match)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
         return "\n".join(l for l in lines if l.startswith(("model name", "flags", "Features")))
@@ -51,30 +61,70 @@ def _cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build() -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + _cpu_model().encode()).hexdigest()[:16]
-    lib = envs.cache_root() / "cpu_kernels" / f"decode_kernels-{key}.so"
+def cpu_name() -> str:
+    for line in _cpu_model().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def runnable_isas() -> List[str]:
+    """The variants this CPU can execute, best first ("generic" always)."""
+    flags = set()
+    for line in _cpu_model().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    on_x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    return [isa for isa in ISAS if isa == "generic" or (on_x86 and _NEEDS[isa] <= flags)]
+
+
+@functools.lru_cache(maxsize=None)
+def active_isa() -> str:
+    """VLLM_CPU_ISA if set (it must be runnable here), else the best runnable variant."""
+    forced = os.environ.get("VLLM_CPU_ISA") or None
+    runnable = runnable_isas()
+    if forced is None:
+        return runnable[0]
+    if forced not in ISAS:
+        raise ValueError(f"VLLM_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+    if forced not in runnable:
+        raise ValueError(f"VLLM_CPU_ISA={forced!r}: this CPU ({cpu_name()}) cannot run it; "
+                         f"it can run {', '.join(runnable)}")
+    return forced
+
+
+def build_key(isa: str) -> str:
+    """Names one compiled library: the source, the variant and the CPU."""
+    key = SOURCE.read_bytes() + isa.encode() + _cpu_model().encode()
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
+def _build(isa: str) -> Path:
+    lib = envs.cache_root() / "cpu_kernels" / f"decode_kernels-{isa}-{build_key(isa)}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         cc = os.environ.get("CC", "cc")
-        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
-                        str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True)
+        subprocess.run([cc, "-O3", *_CFLAGS[isa], "-fopenmp", "-fPIC", "-shared", str(SOURCE),
+                        "-o", str(tmp), "-lm"], check=True, capture_output=True)
         tmp.replace(lib)            # atomic: concurrent builders never load a partial file
     return lib
 
 
 @functools.lru_cache(maxsize=None)
-def _library() -> Optional[ctypes.CDLL]:
+def library(isa: str) -> Optional[ctypes.CDLL]:
+    """The kernels compiled for `isa` (which the caller checked this CPU runs), or None."""
     if os.environ.get("VLLM_CPU_KERNELS", "1") == "0" or SOURCE is None:
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(_build(isa)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", b"") or b""
-        logger.info("CPU decode kernels unavailable (%s %s); using torch", e, detail[-500:])
+        logger.info("CPU decode kernels (%s) unavailable (%s %s); using torch", isa, e,
+                    detail[-500:])
         return None
+    lib.vtok_panel_width.restype = ctypes.c_int
+    lib.vtok_isa.restype = ctypes.c_char_p
     lib.vtok_packed_gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
     lib.vtok_packed_gemm.restype = None
     lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
@@ -89,21 +139,38 @@ def _library() -> Optional[ctypes.CDLL]:
     lib.vtok_decode_layer_scratch.restype = _i64
     lib.vtok_decode_layer.argtypes = [layer, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                       _i64, _ptr, _i64, _ptr]
+    assert lib.vtok_isa().decode() == isa
     return lib
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    return library(active_isa())
 
 
 def available() -> bool:
     return _library() is not None
 
 
+def panel_width() -> int:
+    """Output columns per packed panel in the active variant (one vector: 16 avx512, 8 avx2)."""
+    return _panel_width(active_isa())
+
+
+@functools.lru_cache(maxsize=None)
+def _panel_width(isa: str) -> int:
+    return library(isa).vtok_panel_width()
+
+
 def pack_weight(wt: torch.Tensor) -> torch.Tensor:
-    """wt [K, N] float32 -> panels [ceil(N / 16), K, 16] (zero columns past N)."""
+    """wt [K, N] float32 -> panels [ceil(N / PANEL), K, PANEL] (zero columns past N), PANEL =
+    panel_width()."""
     k, n = wt.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(k, panels * PANEL, dtype=torch.float32)
+    width = panel_width()
+    panels = -(-n // width)
+    padded = torch.zeros(k, panels * width, dtype=torch.float32)
     padded[:, :n] = wt
-    # [K, P * 16] -> [K, P, 16] -> [P, K, 16]: panel p holds columns 16p .. 16p + 15
-    return padded.view(k, panels, PANEL).permute(1, 0, 2).contiguous()
+    # PANEL 8: [K, P * 8] -> [K, P, 8] -> [P, K, 8]: panel p holds columns 8p .. 8p + 7
+    return padded.view(k, panels, width).permute(1, 0, 2).contiguous()
 
 
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
@@ -113,7 +180,7 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
     (+ residual [M, n]) -> [M, n]."""
     x = x.contiguous()
     m, k = x.shape
-    assert packed.shape[1] == k and x.dtype == torch.float32
+    assert packed.shape[1] == k and packed.shape[2] == panel_width() and x.dtype == torch.float32
     if residual is not None:
         residual = residual.contiguous()
         assert residual.shape == (m, n) and residual.dtype == torch.float32
@@ -122,20 +189,6 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
                                 None if bias is None else bias.data_ptr(),
                                 None if residual is None else residual.data_ptr(), y.data_ptr())
     return y
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
-           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] @ W (+ bias) (+ residual) for any M, W held only as panels: the C GEMM up to
-    MAX_GEMM_ROWS rows, else one MKL einsum over the panels (its transient [K, N] copy is cheap
-    next to that many rows)."""
-    if x.shape[0] <= MAX_GEMM_ROWS:
-        return packed_gemm(x, packed, n, bias, residual)
-    # x [M, K] . panels [P, K, 16] -> [M, P, 16] -> [M, P * 16]; columns past n are padding
-    y = torch.einsum("mk,pkn->mpn", x, packed).reshape(x.shape[0], -1)[:, :n]
-    if bias is not None:
-        y = y + bias
-    return y if residual is None else residual + y
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,

@@ -2,78 +2,114 @@
 
    Decode steps multiply a few rows by every weight matrix, so they are bound by how fast the
    weights stream from memory. MKL's sgemm reaches about 8 GB/s on these shapes on our 2-core
-   machine; packing each weight once into column panels, streaming each panel once for up to 16
-   rows, and prefetching 16 KB ahead into L2 reaches 14-20 GB/s (benchmarks/benchmark_throughput.py).
+   machines; packing each weight once into column panels, streaming each panel once per pass of
+   up to ROWS input rows, and prefetching 16 KB ahead into L2 reaches 14-20 GB/s (AVX-512 host)
+   and 25-33 GB/s (AVX2 host) at batch 1.
 
-   Plain C with GCC vector extensions: no torch headers, one translation unit, built with
-   -O3 -march=native so the same source becomes AVX-512, AVX2 or NEON code. */
+   Plain C with GCC vector extensions, no torch headers, one translation unit, built once per
+   instruction set (vllm/cpu_kernels.py passes the -m flags and one of these macros):
+     VTOK_ISA_AVX512  64-byte vectors, 32 registers: 16 x 1 and 12 x 2 vector GEMM blocks
+     VTOK_ISA_AVX2    32-byte vectors, 16 registers: 12 x 1 and 6 x 2 (accumulators + weights
+                      + one broadcast fit in 16 ymm; more spill and run at half speed)
+     (neither)        generic: 16-byte vectors the compiler maps to SSE2, NEON or scalar code */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define PANEL 16              /* output columns per packed panel: one 64-byte vector */
-#define ROWS 16               /* input rows per pass over a panel: 16 accumulators */
-#define PREFETCH_ROWS 256     /* how far ahead (in panel rows of 64 bytes) to prefetch into L2 */
+#if defined(VTOK_ISA_AVX512)
+#define VEC 16                /* floats per vector */
+#define ROWS 16               /* input rows per pass over one panel: ROWS accumulators */
+#define PAIR_ROWS 12          /* rows per pass over two panels: 2 x PAIR_ROWS accumulators */
+#define AV_HEADS 4            /* attention values: heads x vectors of accumulators at a time */
+#define ISA_NAME "avx512"
+#elif defined(VTOK_ISA_AVX2)
+#define VEC 8
+#define ROWS 12
+#define PAIR_ROWS 6
+#define AV_HEADS 2
+#define ISA_NAME "avx2"
+#else
+#define VEC 4
+#define ROWS 12
+#define PAIR_ROWS 6
+#define AV_HEADS 2
+#define ISA_NAME "generic"
+#endif
+#define PANEL VEC             /* output columns per packed panel: one vector */
+#define AV_VECS 4
+#define PREFETCH_FLOATS 4096  /* how far ahead in a panel to prefetch into L2: 16 KB */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+typedef float vec __attribute__((vector_size(4 * VEC)));
+typedef int32_t ivec __attribute__((vector_size(4 * VEC)));
 
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, 64); }
-static inline v16 splat(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-static inline float hsum(v16 v) {
+static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+/* s - 0 is s for every s, so this is one broadcast; (vec){0} + s would keep an add per call
+   (-0 + 0 is +0, so the compiler may not drop it) */
+static inline vec splat(float s) { return s - (vec){0}; }
+static inline float hsum(vec v) {
   float s = 0.f;
-  for (int i = 0; i < 16; i++) s += v[i];
+  for (int i = 0; i < VEC; i++) s += v[i];
   return s;
 }
 
+/* what this build is, for vllm/cpu_kernels.py (pack_weight must use this build's PANEL) */
+int vtok_panel_width(void) { return PANEL; }
+const char *vtok_isa(void) { return ISA_NAME; }
+
 /* ---- packed GEMM ------------------------------------------------------------------------------
    Packed weight layout (built by vllm/cpu_kernels.py pack_weight): W [K, N] (y = x @ W) is
-   stored as panels[P][K][PANEL] with P = ceil(N / PANEL), columns past N zero. K = 2, N = 20:
+   stored as panels[P][K][PANEL] with P = ceil(N / PANEL), columns past N zero. PANEL = 16,
+   K = 2, N = 20:
        panel 0 = W[0, 0:16], W[1, 0:16]          panel 1 = W[0, 16:20] 0 0 ..., W[1, 16:20] 0 ...
    One panel row is one vector, so a pass reads the panel front to back exactly once per
    ROWS input rows. */
 
 /* rows x[0:rows] (row stride K) times `width` (1 or 2) adjacent panels -> y[0:rows, 0:cols]
    (row stride N); rows and width are compile-time constants at every call site, so acc[][]
-   lives in registers: 16 x 1 for one pass over the weights (decode: memory-bound), 12 x 2 for
-   more rows (each broadcast of x then feeds two FMAs: compute-bound). */
+   lives in registers: ROWS x 1 for one pass over the weights (decode: memory-bound),
+   PAIR_ROWS x 2 for more rows (each broadcast of x then feeds two FMAs: compute-bound). */
 static inline __attribute__((always_inline)) void panel_pass(
     const float *x, int64_t K, const float *panel, float *y, int64_t N, int cols,
     const float *bias, const float *residual, const int rows, const int width) {
-  v16 acc[ROWS][2];
+  vec acc[ROWS][2];
   for (int m = 0; m < rows; m++)
     for (int v = 0; v < width; v++) acc[m][v] = splat(0.f);
   for (int64_t k = 0; k < K; k++) {
-    v16 w[2];
+    vec w[2];
     for (int v = 0; v < width; v++) {
       const float *pv = panel + v * K * PANEL;
-      __builtin_prefetch(pv + (k + PREFETCH_ROWS) * PANEL, 0, 2);
-      w[v] = load16(pv + k * PANEL);
+      __builtin_prefetch(pv + k * PANEL + PREFETCH_FLOATS, 0, 2);
+      w[v] = load(pv + k * PANEL);
     }
     for (int m = 0; m < rows; m++) {
-      v16 b = splat(x[m * K + k]);
+      vec b = splat(x[m * K + k]);
       for (int v = 0; v < width; v++) acc[m][v] += b * w[v];
     }
   }
   float tmp[2 * PANEL] = {0};
   if (bias) memcpy(tmp, bias, cols * sizeof(float));
-  v16 b[2] = {load16(tmp), load16(tmp + PANEL)};
+  vec b[2] = {load(tmp), load(tmp + PANEL)};
   for (int m = 0; m < rows; m++) {
     float out[2 * PANEL], res[2 * PANEL] = {0};
     if (residual) memcpy(res, residual + m * N, cols * sizeof(float));
     for (int v = 0; v < width; v++)
-      store16(out + v * PANEL, acc[m][v] + b[v] + load16(res + v * PANEL));
+      store(out + v * PANEL, acc[m][v] + b[v] + load(res + v * PANEL));
     memcpy(y + m * N, out, cols * sizeof(float));
   }
 }
 
-#define PASS(r, w) case r: panel_pass(xm, K, panel, ym, N, cols, bias_p, res, r, w); break;
-#define PAIR_ROWS 12
+/* a case for every row count up to 16; those past this build's tile are never reached */
+#define PASS(r, w) case r: \
+  if (r <= (w == 1 ? ROWS : PAIR_ROWS)) panel_pass(xm, K, panel, ym, N, cols, bias_p, res, r, w); \
+  break;
+#define PASSES(w) PASS(1, w) PASS(2, w) PASS(3, w) PASS(4, w) PASS(5, w) PASS(6, w) PASS(7, w) \
+  PASS(8, w) PASS(9, w) PASS(10, w) PASS(11, w) PASS(12, w) PASS(13, w) PASS(14, w) \
+  PASS(15, w) PASS(16, w)
 
 /* y [M, N] = x [M, K] @ W (+ bias [N]) (+ residual [M, N]), W packed; bias, residual may be NULL
-   and residual may be y itself. Up to 16 rows: each thread streams its panels once. More rows:
-   pairs of panels, 12 rows at a time (the pair stays in L2 between those passes). */
+   and residual may be y itself. Up to ROWS rows: each thread streams its panels once. More rows:
+   pairs of panels, PAIR_ROWS rows at a time (the pair stays in L2 between those passes). */
 void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
                       const float *bias, const float *residual, float *y) {
   const int64_t panels = (N + PANEL - 1) / PANEL, step = M <= ROWS ? 1 : 2;
@@ -90,79 +126,89 @@ void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed,
       const float *res = residual ? residual + m0 * N + p * PANEL : NULL;
       const int rows = M - m0 < tile ? (int)(M - m0) : (int)tile;
       if (width == 1) {
-        switch (rows) {
-          PASS(1, 1) PASS(2, 1) PASS(3, 1) PASS(4, 1) PASS(5, 1) PASS(6, 1) PASS(7, 1)
-          PASS(8, 1) PASS(9, 1) PASS(10, 1) PASS(11, 1) PASS(12, 1) PASS(13, 1) PASS(14, 1)
-          PASS(15, 1) PASS(16, 1)
-        }
+        switch (rows) { PASSES(1) }
       } else {
-        switch (rows) {
-          PASS(1, 2) PASS(2, 2) PASS(3, 2) PASS(4, 2) PASS(5, 2) PASS(6, 2) PASS(7, 2)
-          PASS(8, 2) PASS(9, 2) PASS(10, 2) PASS(11, 2) PASS(12, 2)
-        }
+        switch (rows) { PASSES(2) }
       }
     }
   }
 }
 
 /* ---- decode attention -------------------------------------------------------------------------
-   exp for softmax, 16 lanes: exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2 / 2, exp(r)
+   exp for softmax, VEC lanes: exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2 / 2, exp(r)
    by a degree-7 Taylor polynomial (relative error ~1e-7 on that range); x < -87 (incl. -inf) -> 0,
    x > 88 -> exp(88). */
-static inline v16 as_float(i16 v) { v16 f; memcpy(&f, &v, 64); return f; }
-static inline i16 as_bits(v16 f) { i16 v; memcpy(&v, &f, 64); return v; }
+static inline vec as_float(ivec v) { vec f; memcpy(&f, &v, sizeof f); return f; }
+static inline ivec as_bits(vec f) { ivec v; memcpy(&v, &f, sizeof v); return v; }
 
-static inline v16 exp16(v16 x) {
+static inline vec vexp(vec x) {
   const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
   const float round_magic = 12582912.f;                    /* 1.5 * 2^23: adding it rounds */
-  i16 underflow = x < -87.f;                               /* lanes of all ones where true */
-  i16 overflow = x > 88.f;                                 /* exp(88) ~ 1.7e38, still finite */
+  ivec underflow = x < -87.f;                              /* lanes of all ones where true */
+  ivec overflow = x > 88.f;                                /* exp(88) ~ 1.7e38, still finite */
   x = as_float((as_bits(x) & ~underflow) | (as_bits(splat(-87.f)) & underflow));
   x = as_float((as_bits(x) & ~overflow) | (as_bits(splat(88.f)) & overflow));
-  v16 n = (x * 1.4426950408889634f + round_magic) - round_magic;
-  v16 r = x - n * ln2_hi - n * ln2_lo;
-  v16 p = splat(1.f / 5040);
+  vec n = (x * 1.4426950408889634f + round_magic) - round_magic;
+  vec r = x - n * ln2_hi - n * ln2_lo;
+  vec p = splat(1.f / 5040);
   p = p * r + 1.f / 720; p = p * r + 1.f / 120; p = p * r + 1.f / 24; p = p * r + 1.f / 6;
   p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
-  v16 two_n = as_float((__builtin_convertvector(n, i16) + 127) << 23);
+  vec two_n = as_float((__builtin_convertvector(n, ivec) + 127) << 23);
   return as_float(as_bits(p * two_n) & ~underflow);
 }
 
-/* x[0..15] -> one vector whose lane i is the sum of x[i]'s 16 lanes, in four halving levels:
-   keys 0, 1 -> [x0 lanes 0-7 + 8-15 | x1 lanes 0-7 + 8-15] -> ... -> [sum x0, sum x1, ..., sum x15] */
-static inline v16 sum_each(v16 x[16]) {
-  const i16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const i16 lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const i16 lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const i16 lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  for (int i = 0; i < 8; i++)
-    x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo8) +
-           __builtin_shuffle(x[2 * i], x[2 * i + 1], lo8 + 8);
-  for (int i = 0; i < 4; i++)
-    x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo4) +
-           __builtin_shuffle(x[2 * i], x[2 * i + 1], lo4 + 4);
-  for (int i = 0; i < 2; i++)
-    x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2) +
-           __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2 + 2);
-  return __builtin_shuffle(x[0], x[1], lo1) + __builtin_shuffle(x[0], x[1], lo1 + 1);
+/* x[0..VEC-1] -> one vector whose lane i is the sum of x[i]'s lanes, in halving levels. VEC = 8:
+   level 4: keys 0, 1 -> [x0 lanes 0-3 + 4-7 | x1 lanes 0-3 + 4-7], 4 vectors left; level 2:
+   2 left; level 1: [sum x0, sum x1, ..., sum x7]. Level s keeps lanes LO(s, i) of the pair
+   (index >= VEC: the second vector) and adds the lanes s further on. */
+#define LO(s, i) (((i) / (s)) * 2 * (s) + (i) % (s))
+#if VEC == 16
+#define LO_MASK(s) ((ivec){LO(s, 0), LO(s, 1), LO(s, 2), LO(s, 3), LO(s, 4), LO(s, 5), LO(s, 6), \
+  LO(s, 7), LO(s, 8), LO(s, 9), LO(s, 10), LO(s, 11), LO(s, 12), LO(s, 13), LO(s, 14), LO(s, 15)})
+#elif VEC == 8
+#define LO_MASK(s) ((ivec){LO(s, 0), LO(s, 1), LO(s, 2), LO(s, 3), LO(s, 4), LO(s, 5), LO(s, 6), \
+  LO(s, 7)})
+#else
+#define LO_MASK(s) ((ivec){LO(s, 0), LO(s, 1), LO(s, 2), LO(s, 3)})
+#endif
+#if defined(__GNUC__) && !defined(__clang__)
+#define LEVEL(s) for (int i = 0; i < (s); i++) \
+  x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], LO_MASK(s)) + \
+         __builtin_shuffle(x[2 * i], x[2 * i + 1], LO_MASK(s) + (s));
+static inline vec sum_each(vec x[VEC]) {
+#if VEC >= 16
+  LEVEL(8)
+#endif
+#if VEC >= 8
+  LEVEL(4)
+#endif
+  LEVEL(2) LEVEL(1)
+  return x[0];
 }
+#else   /* compilers without __builtin_shuffle: lane by lane */
+static inline vec sum_each(vec x[VEC]) {
+  vec out;
+  for (int i = 0; i < VEC; i++) out[i] = hsum(x[i]);
+  return out;
+}
+#endif
 
-/* scores[j] = scale * q . key[j] for a block of 16 keys (D % 16 == 0); lanes past n unused */
-static inline void score_block(const float *q, const float *key[16], int n, int64_t D,
+/* scores[j] = scale * q . key[j] for a block of VEC keys (D % VEC == 0); lanes past n unused */
+static inline void score_block(const float *q, const float *key[VEC], int n, int64_t D,
                                float scale, float *scores) {
-  v16 part[16];
-  for (int j = 0; j < 16; j++) part[j] = splat(0.f);
-  for (int64_t d = 0; d < D; d += 16) {
-    v16 qd = load16(q + d);
-    for (int j = 0; j < 16; j++) part[j] += qd * load16(key[j] + d);
+  vec part[VEC];
+  for (int j = 0; j < VEC; j++) part[j] = splat(0.f);
+  for (int64_t d = 0; d < D; d += VEC) {
+    vec qd = load(q + d);
+    for (int j = 0; j < VEC; j++) part[j] += qd * load(key[j] + d);
   }
-  float out[16];
-  store16(out, sum_each(part) * scale);
+  float out[VEC];
+  store(out, sum_each(part) * scale);
   memcpy(scores, out, n * sizeof(float));
 }
 
-static inline v16 vmax(v16 a, v16 b) {
-  i16 a_wins = a > b;
+static inline vec vmax(vec a, vec b) {
+  ivec a_wins = a > b;
   return as_float((as_bits(a) & a_wins) | (as_bits(b) & ~a_wins));
 }
 
@@ -173,42 +219,46 @@ static inline int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 static void softmax(float *p, int64_t n) {
   const int64_t n16 = round16(n);
   for (int64_t j = n; j < n16; j++) p[j] = -INFINITY;
-  v16 mv = splat(-INFINITY);
-  for (int64_t j = 0; j < n16; j += 16) mv = vmax(mv, load16(p + j));
+  vec mv = splat(-INFINITY);
+  for (int64_t j = 0; j < n16; j += VEC) mv = vmax(mv, load(p + j));
   float m = -INFINITY;
-  for (int i = 0; i < 16; i++) m = mv[i] > m ? mv[i] : m;
+  for (int i = 0; i < VEC; i++) m = mv[i] > m ? mv[i] : m;
   if (m == -INFINITY) { memset(p, 0, n * sizeof(float)); return; }
-  v16 total = splat(0.f);
-  for (int64_t j = 0; j < n16; j += 16) {
-    v16 e = exp16(load16(p + j) - m);
+  vec total = splat(0.f);
+  for (int64_t j = 0; j < n16; j += VEC) {
+    vec e = vexp(load(p + j) - m);
     total += e;
-    store16(p + j, e);
+    store(p + j, e);
   }
-  v16 inv = splat(1.f / hsum(total));
-  for (int64_t j = 0; j < n16; j += 16) store16(p + j, load16(p + j) * inv);
+  vec inv = splat(1.f / hsum(total));
+  for (int64_t j = 0; j < n16; j += VEC) store(p + j, load(p + j) * inv);
 }
 
-/* out[g][0:16 vecs] = sum_j p[g][j] * v_j[0:16 vecs] for g < heads (<= 4), vecs <= 4; where
-   heads and vecs are constants the accumulators stay in registers. */
+/* out[g][0:vecs vectors] = sum_j p[g][j] * v_j[0:vecs vectors] for g < heads <= AV_HEADS,
+   vecs <= AV_VECS; where heads and vecs are constants the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void weigh_values(
     const float *kv, const int64_t *slot_row, int64_t n, int64_t row, int64_t offset,
     const float *p, int64_t lmax, float *out, int64_t D, const int heads, const int vecs) {
-  v16 acc[4][4];
+  vec acc[AV_HEADS][AV_VECS];
   for (int g = 0; g < heads; g++)
     for (int v = 0; v < vecs; v++) acc[g][v] = splat(0.f);
   for (int64_t j = 0; j < n; j++) {
     if (slot_row[j] < 0) continue;
     const float *val = kv + slot_row[j] * row + offset;
-    v16 vv[4];
-    for (int v = 0; v < vecs; v++) vv[v] = load16(val + 16 * v);
+    vec vv[AV_VECS];
+    for (int v = 0; v < vecs; v++) vv[v] = load(val + VEC * v);
     for (int g = 0; g < heads; g++) {
-      v16 w = splat(p[g * lmax + j]);
+      vec w = splat(p[g * lmax + j]);
       for (int v = 0; v < vecs; v++) acc[g][v] += w * vv[v];
     }
   }
   for (int g = 0; g < heads; g++)
-    for (int v = 0; v < vecs; v++) store16(out + g * D + 16 * v, acc[g][v]);
+    for (int v = 0; v < vecs; v++) store(out + g * D + VEC * v, acc[g][v]);
 }
+
+#define WEIGH(h) case h: \
+  if (h <= AV_HEADS) weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, h, AV_VECS); \
+  break;
 
 /* One request b, one KV head kh: its G query heads against the request's n live keys.
    Scores and probabilities go to probs[g * lmax + j]; D % 16 == 0. */
@@ -216,10 +266,10 @@ static void attend_group(const float *q, const float *kv, const int64_t *slot_ro
                          int64_t KVH, int64_t kh, int64_t G, int64_t D, float scale,
                          float *probs, int64_t lmax, float *out) {
   const int64_t row = 2 * KVH * D;                          /* floats per slot (K and V) */
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    int block = n - j0 < 16 ? (int)(n - j0) : 16;
-    const float *key[16];
-    for (int j = 0; j < 16; j++) {   /* padding and lanes past the block read slot 0: unused */
+  for (int64_t j0 = 0; j0 < n; j0 += VEC) {
+    int block = n - j0 < VEC ? (int)(n - j0) : VEC;
+    const float *key[VEC];
+    for (int j = 0; j < VEC; j++) {  /* padding and lanes past the block read slot 0: unused */
       int64_t slot = j < block ? slot_row[j0 + j] : 0;
       key[j] = kv + (slot < 0 ? 0 : slot) * row + kh * D;
     }
@@ -231,23 +281,21 @@ static void attend_group(const float *q, const float *kv, const int64_t *slot_ro
       for (int64_t g = 0; g < G; g++) probs[g * lmax + j] = -INFINITY;
   for (int64_t g = 0; g < G; g++) softmax(probs + g * lmax, n);
 
-  /* out[g] = sum_j p[g][j] * v_j, for up to 4 heads x 64 dims at a time in 16 accumulators */
+  /* out[g] = sum_j p[g][j] * v_j, AV_HEADS heads x AV_VECS vectors of dims at a time */
   const int64_t values = (KVH + kh) * D;                   /* offset of V in a slot's row */
-  for (int64_t g0 = 0; g0 < G; g0 += 4)
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int heads = G - g0 < 4 ? (int)(G - g0) : 4;
-      const int vecs = D - d0 < 64 ? (int)(D - d0) / 16 : 4;
+  const int64_t span = AV_VECS * VEC;                      /* dims per accumulator block */
+  for (int64_t g0 = 0; g0 < G; g0 += AV_HEADS)
+    for (int64_t d0 = 0; d0 < D; d0 += span) {
+      const int heads = G - g0 < AV_HEADS ? (int)(G - g0) : AV_HEADS;
+      const int vecs = D - d0 < span ? (int)(D - d0) / VEC : AV_VECS;
       const float *p = probs + g0 * lmax;
       float *o = out + g0 * D + d0;
-      if (vecs == 4) {
-        switch (heads) {
-          case 1: weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, 1, 4); break;
-          case 2: weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, 2, 4); break;
-          case 3: weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, 3, 4); break;
-          default: weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, 4, 4);
-        }
-      } else {
+      if (vecs != AV_VECS) {
         weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, heads, vecs);
+        continue;
+      }
+      switch (heads) {      /* cases past AV_HEADS are never reached */
+        WEIGH(1) WEIGH(2) WEIGH(3) WEIGH(4)
       }
     }
 }
@@ -285,11 +333,11 @@ void vtok_rms_norm(const float *x, int64_t M, int64_t N, const float *w, float e
 #pragma omp parallel for schedule(static) if (M > 64)
   for (int64_t m = 0; m < M; m++) {
     const float *row = x + m * N;
-    v16 ss = splat(0.f);
-    for (int64_t i = 0; i < N; i += 16) ss += load16(row + i) * load16(row + i);
-    v16 r = splat(1.f / sqrtf(hsum(ss) / (float)N + eps));
-    for (int64_t i = 0; i < N; i += 16)
-      store16(out + m * N + i, load16(row + i) * r * load16(w + i));
+    vec ss = splat(0.f);
+    for (int64_t i = 0; i < N; i += VEC) ss += load(row + i) * load(row + i);
+    vec r = splat(1.f / sqrtf(hsum(ss) / (float)N + eps));
+    for (int64_t i = 0; i < N; i += VEC)
+      store(out + m * N + i, load(row + i) * r * load(w + i));
   }
 }
 
@@ -299,9 +347,9 @@ void vtok_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
 #pragma omp parallel for schedule(static) if (M > 64)
   for (int64_t m = 0; m < M; m++) {
     const float *gate = gate_up + m * 2 * I, *up = gate + I;
-    for (int64_t i = 0; i < I; i += 16) {
-      v16 g = load16(gate + i);
-      store16(out + m * I + i, g / (1.f + exp16(-g)) * load16(up + i));
+    for (int64_t i = 0; i < I; i += VEC) {
+      vec g = load(gate + i);
+      store(out + m * I + i, g / (1.f + vexp(-g)) * load(up + i));
     }
   }
 }

@@ -304,6 +304,15 @@ class LLMEngine:
             stats.update(self.runner.relocation.stats())
         return stats
 
+    def get_engine_info(self) -> Dict:
+        """What this engine runs on: the CPU, the C kernels' variant and the load-time kernel
+        plan (which GEMM / attention path each batch band uses); logged once at load."""
+        from vllm import cpu_kernels
+        plan = getattr(self.model, "plan", None)
+        return {"cpu": cpu_kernels.cpu_name(),
+                "cpu_kernels": cpu_kernels.active_isa() if cpu_kernels.available() else "off",
+                "kernel_plan": plan.as_dict() if plan is not None else None}
+
     def check_invariants(self) -> None:
         """I2, the prefix-cache rule and block accounting (I1 is checked per copy batch)."""
         self.kv.check_invariants()

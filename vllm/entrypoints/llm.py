@@ -61,6 +61,9 @@ class LLM:
     def get_kv_stats(self) -> Dict[str, float]:
         return self.llm_engine.get_kv_stats()
 
+    def get_engine_info(self) -> Dict:
+        return self.llm_engine.get_engine_info()
+
     def _run(self, ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
         engine = self.llm_engine
         done: Dict[str, RequestOutput] = {}

@@ -132,7 +132,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
-        return VersionResponse(version=vllm.__version__)
+        return VersionResponse(version=vllm.__version__, engine=engine.engine.get_engine_info())
 
     @app.get("/metrics")
     async def prometheus():

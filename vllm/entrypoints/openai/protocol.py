@@ -263,3 +263,4 @@ class DetokenizeResponse(ResponseModel):
 
 class VersionResponse(ResponseModel):
     version: str
+    engine: Optional[Dict] = None     # ours: CPU, C kernel variant, load-time kernel plan

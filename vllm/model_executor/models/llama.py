@@ -2,38 +2,53 @@
 
 Weights are kept pre-transposed ([in, out], contiguous) because `x @ Wt` is up to 2x faster than
 `F.linear(x, W)` for decode-shaped GEMMs on CPU. Q/K/V and gate/up are fused into one GEMM each.
-In float32 on CPU each weight is packed once for the C GEMM (vllm/cpu_kernels.py), which streams
-weights about 2x faster than MKL for decode-sized batches; prefill runs MKL on the same panels.
+In float32 on CPU a KernelPlan (vllm/cpu_kernel_plan.py), timed once at load, picks per batch
+band the GEMM path (C on packed panels, MKL packed, or x @ Wt), the decode attention and whether
+a decode step runs each layer as one C call; each weight is kept only in the layouts it uses.
 """
 import math
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
-from vllm import cpu_kernels
+from vllm import cpu_kernel_plan, cpu_kernels
 from vllm.attention.backend import AttentionMetadata, paged_attention, write_kv
+from vllm.cpu_kernel_plan import KernelPlan, band
 
 
 class Linear(nn.Module):
-    """y = x @ W (+ bias) (+ residual). In float32 on CPU, W is kept only as the C GEMM's
-    16-column panels (cpu_kernels.linear); elsewhere as [in, out]."""
+    """y = x @ W (+ bias) (+ residual) on the path `plan` picks for x's rows: "c" (W as the C
+    GEMM's panels, cpu_kernels), "mkl" (W packed by MKL for the band's largest row count) or
+    "torch" (W as [in, out]). W is kept only in the layouts its paths use; no plan: "torch"."""
 
-    def __init__(self, wt: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    def __init__(self, wt: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 plan: Optional[KernelPlan] = None):
         super().__init__()
-        self.out_features = wt.shape[1]
+        self.in_features, self.out_features = wt.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.paths = plan.gemm[cpu_kernel_plan.shape_name(*wt.shape)] if plan else ["torch"]
         self.wt = self.packed = None
-        if wt.dtype == torch.float32 and not wt.is_cuda and ops.cpu_kernels_enabled():
+        if "c" in self.paths:
             self.packed = nn.Parameter(cpu_kernels.pack_weight(wt), requires_grad=False)
-        else:
+        if "torch" in self.paths:
             self.wt = nn.Parameter(wt.contiguous(), requires_grad=False)
+        self.mkl = {rows: cpu_kernel_plan._mkl_pack(wt, rows)      # rows -> MKL's packing
+                    for rows, path in zip(cpu_kernel_plan.TIMED_ROWS, self.paths) if path == "mkl"}
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.packed is not None:
-            return cpu_kernels.linear(x, self.packed, self.out_features, self.bias, residual)
-        y = x @ self.wt if self.bias is None else torch.addmm(self.bias, x, self.wt)
+        m = x.shape[0]
+        path = self.paths[band(m)] if len(self.paths) > 1 else self.paths[0]
+        if path == "c":
+            return cpu_kernels.packed_gemm(x, self.packed, self.out_features, self.bias, residual)
+        if path == "mkl":
+            rows = cpu_kernel_plan.TIMED_ROWS[band(m)]
+            y = cpu_kernel_plan.mkl_gemm(x, self.mkl[rows], rows, self.out_features,
+                                         self.in_features)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = x @ self.wt if self.bias is None else torch.addmm(self.bias, x, self.wt)
         return y if residual is None else residual + y
 
 
@@ -105,8 +120,9 @@ class Rotary:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, w: Dict[str, torch.Tensor], p: str):
+    def __init__(self, cfg, w: Dict[str, torch.Tensor], p: str, plan: Optional[KernelPlan]):
         super().__init__()
+        self.plan = plan
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -115,11 +131,12 @@ class DecoderLayer(nn.Module):
         qkv_b = None
         if f"{p}.self_attn.q_proj.bias" in w:
             qkv_b = torch.cat([w[f"{p}.self_attn.{n}_proj.bias"] for n in "qkv"])
-        self.qkv = Linear(qkv_w, qkv_b)
-        self.o = Linear(w[f"{p}.self_attn.o_proj.weight"].t(), w.get(f"{p}.self_attn.o_proj.bias"))
+        self.qkv = Linear(qkv_w, qkv_b, plan)
+        self.o = Linear(w[f"{p}.self_attn.o_proj.weight"].t(), w.get(f"{p}.self_attn.o_proj.bias"),
+                        plan)
         gate_up = torch.cat([w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"]]).t()
-        self.gate_up = Linear(gate_up)
-        self.down = Linear(w[f"{p}.mlp.down_proj.weight"].t())
+        self.gate_up = Linear(gate_up, plan=plan)
+        self.down = Linear(w[f"{p}.mlp.down_proj.weight"].t(), plan=plan)
         self.ln1 = nn.Parameter(w[f"{p}.input_layernorm.weight"], requires_grad=False)
         self.ln2 = nn.Parameter(w[f"{p}.post_attention_layernorm.weight"], requires_grad=False)
         self.q_size = self.num_heads * self.head_dim
@@ -154,7 +171,8 @@ class DecoderLayer(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
             write_kv(kv_cache, meta.slot_mapping, k, v)
-        attn = paged_attention(q, kv_cache, meta, self.scale)
+        decode_path = self.plan.attention_path(meta.num_decodes) if self.plan else None
+        attn = paged_attention(q, kv_cache, meta, self.scale, decode_path)
         x = self.o(attn.reshape(t, self.q_size), residual=x)
         h = rms_norm(x, self.ln2, self.eps)
         return self.down(silu_mul(self.gate_up(h)), residual=x)
@@ -170,16 +188,54 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         w = {k: v.to(dtype) for k, v in weights.items()}
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w, f"model.layers.{i}")
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         head = w.get("lm_head.weight")
         if head is None or getattr(cfg, "tie_word_embeddings", False):
             head = w["model.embed_tokens.weight"]
-        self.lm_head = Linear(head.t())
+        self.plan = self._plan(cfg, w, head) if dtype == torch.float32 and \
+            not self.embed.is_cuda and ops.cpu_kernels_enabled() else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, f"model.layers.{i}", self.plan)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
+        self.lm_head = Linear(head.t(), plan=self.plan)
         theta, scaling = rope_parameters(cfg)
         self.rotary = Rotary(cfg.head_dim, max_pos, theta, scaling, dtype)
         self.eps = cfg.rms_norm_eps
+        if self.plan is not None:
+            step = self._timed_step if self.layers[0].fused is not None else None
+            cpu_kernel_plan.choose_decode_layer(self.plan, step)
+
+    @staticmethod
+    def _plan(cfg, w: Dict[str, torch.Tensor], head: torch.Tensor) -> KernelPlan:
+        """Times (or reads from the cache) the paths for this model's GEMM shapes."""
+        e, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        inter = w["model.layers.0.mlp.gate_proj.weight"].shape[0]
+        shapes: Dict[Tuple[int, int], int] = {}
+        for k, n, count in ((e, (heads + 2 * kv_heads) * d, layers), (heads * d, e, layers),
+                            (e, 2 * inter, layers), (inter, e, layers), (e, head.shape[0], 1)):
+            shapes[(k, n)] = shapes.get((k, n), 0) + count
+        return cpu_kernel_plan.plan_model(shapes, heads, kv_heads, d, layers)
+
+    def _timed_step(self, m: int, fused: bool, context: int = 256) -> List[Callable[[], object]]:
+        """For timing: one call per layer of a decode step of m rows with `context` keys each,
+        for the first layers (enough that their weights stream from memory), fused or per op."""
+        first = self.layers[0]
+        layer_bytes = sum(p.numel() * 4 for p in first.parameters())
+        layers = self.layers[:cpu_kernel_plan._copies(len(self.layers), layer_bytes)]
+        kv = torch.zeros(m * context + m, 2, first.num_kv_heads, first.head_dim)
+        meta = AttentionMetadata(slot_mapping=torch.arange(m * context, m * (context + 1)),
+                                 num_decodes=m, decode_views=torch.arange(m * context).view(m, -1),
+                                 decode_lens=torch.full((m,), context))
+        x = self.embed[torch.randint(self.embed.shape[0], (m,))].contiguous()
+        position = [min(context, len(self.rotary.cos) - 1)] * m
+        cos, sin = self.rotary.cos[position], self.rotary.sin[position]
+        if not fused:
+            return [lambda layer=layer: layer(x, cos, sin, self.rotary, kv, meta)
+                    for layer in layers]
+        scratch = cpu_kernels.decode_scratch(first.fused, m, meta.decode_views)
+        return [lambda layer=layer: cpu_kernels.decode_layer(
+            layer.fused, x.clone(), cos, sin, meta.slot_mapping, kv, meta.decode_views,
+            meta.decode_lens, None, scratch) for layer in layers]
 
     @property
     def num_layers(self) -> int:
@@ -197,10 +253,9 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(x, self.norm, self.eps)
 
     def _all_in_c(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A decode-only step of up to MAX_GEMM_ROWS rows, on a model the C layer can run."""
+        """A decode-only step in a band where the plan runs each layer as one C call."""
         return (self.layers[0].fused is not None and not meta.prefills
-                and meta.num_decodes == num_tokens
-                and 0 < num_tokens <= cpu_kernels.MAX_GEMM_ROWS
+                and meta.num_decodes == num_tokens > 0 and self.plan.use_decode_layer(num_tokens)
                 and ops.cpu_kernels_enabled())
 
     def _decode_in_c(self, x, cos, sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:

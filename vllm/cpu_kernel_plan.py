@@ -1,0 +1,353 @@
+"""KernelPlan: which CPU path runs each op at each batch size, chosen once per model by timing.
+
+At model load, each GEMM shape of the model is timed at one row count per band (BANDS, timed at
+TIMED_ROWS) on three paths:
+    c      the C packed GEMM (vllm/cpu_kernels.py; weights as its panels)
+    mkl    MKL's packed sgemm (torch.ops.mkl._mkl_linear): its packing is only valid for one row
+           count, so a band it serves gets its own copy, packed for the band's largest row count
+           (rows padded up to it), and that copy is 2.7-4.3x the weight's bytes
+    torch  x @ Wt, Wt [K, N] contiguous
+Decode attention is timed C vs torch, and on the built model the fused C decode layer
+(cpu_kernels.decode_layer) vs the per-op path. Memory: each weight is kept in the layout of the
+path that wins most of its bands (ties: c); another layout is added only for a band where it is
+MARGIN faster than that one, at the cost in `as_dict()["extra_weight_bytes"]`.
+
+Timing needs our cores: while other processes hold them (every multi-threaded call then waits a
+scheduler tick) it gives up after a few seconds and runs the C path everywhere, uncached (source
+"busy"). A model whose weights fit in STREAM_BYTES (test models) is bound by per-op overhead, not
+by streaming weights: it runs the C path everywhere, untimed (source "small").
+VLLM_CPU_GEMM=c|mkl|torch forces that GEMM path in every band (mkl: up to 128 rows, torch above)
+and times nothing (tests): attention then runs in C, and the fused layer wherever the GEMM is c.
+The decision is cached in <cache root>/cpu_kernels/plan-<key>.json, the key naming the kernel
+build (source, variant, CPU), threads, torch version and the model's shapes: later loads read it
+and time nothing; `decisions()` returns the last one made as a dict.
+"""
+import bisect
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from vllm import cpu_kernels, envs
+
+logger = logging.getLogger(__name__)
+
+BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, None))
+TIMED_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)      # each band timed at its largest row count
+GEMM_PATHS = ("c", "mkl", "torch")
+MARGIN = 0.20               # a second layout of a weight must be this much faster in its band
+STREAM_BYTES = 64 << 20     # weights timed on copies of at least this (past L3) while memory-bound
+MAX_TIMED_COLS = 4096       # wider weights (the LM head) are timed on their first columns
+CALLS = 8                   # timed calls per candidate and band (the minimum is kept)
+BUSY_SECONDS = 1e-3         # a near-empty parallel region slower than this: the host is busy
+BUSY_RETRIES = 30           # checks 0.1 s apart before timing gives up (HostBusy)
+_LAST = len(BANDS) - 1
+_TOPS = [hi for _, hi in BANDS[:-1]]
+
+
+def band(m: int) -> int:
+    """Index into BANDS of a batch of m rows: band(1) == 0, band(3) == 1, band(300) == 7."""
+    return bisect.bisect_left(_TOPS, m)
+
+
+def mkl_available() -> bool:
+    return hasattr(torch.ops.mkl, "_mkl_linear") and torch.backends.mkl.is_available()
+
+
+def shape_name(k: int, n: int) -> str:
+    return f"{k}x{n}"
+
+
+@dataclass
+class KernelPlan:
+    isa: str
+    cpu: str
+    threads: int
+    gemm: Dict[str, List[str]]            # shape_name(K, N) -> path per band
+    attention: List[str]                  # per band: "c" or "torch"
+    decode_layer: List[bool] = field(default_factory=lambda: [False] * len(BANDS))
+    source: str = "timed"                 # "timed", "cache", "forced", "small" or "busy"
+    seconds: float = 0.0                  # time spent timing
+    timings_ms: Dict[str, Dict[str, List[float]]] = field(default_factory=dict)
+    extra_weight_bytes: int = 0           # bytes kept beyond one layout per weight
+    cache_path: str = ""
+
+    def gemm_path(self, k: int, n: int, m: int) -> str:
+        return self.gemm[shape_name(k, n)][band(m)]
+
+    def attention_path(self, m: int) -> str:
+        return self.attention[band(m)]
+
+    def use_decode_layer(self, m: int) -> bool:
+        return self.decode_layer[band(m)]
+
+    def as_dict(self) -> dict:
+        """JSON-able: bands as [lo, hi] (hi None = unbounded) and every choice per band."""
+        return {"bands": [list(b) for b in BANDS], **asdict(self)}
+
+
+_LAST_PLAN: Optional[KernelPlan] = None
+
+
+def decisions() -> dict:
+    """The most recent model's plan in this process, as_dict(); {} when none was made."""
+    return _LAST_PLAN.as_dict() if _LAST_PLAN else {}
+
+
+# ---- timing ---------------------------------------------------------------------------------
+class HostBusy(Exception):
+    """Other processes hold our cores: timings would measure them, not the kernels."""
+
+
+def _region_seconds() -> float:
+    """The cheapest of a few near-empty multi-threaded C calls: ~5 us on an idle host, a
+    scheduler tick (~4 ms) when another process runs on a core our threads need."""
+    x, w = torch.zeros(1, 16), cpu_kernels.pack_weight(torch.zeros(16, 16))
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        cpu_kernels.packed_gemm(x, w, 16)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _wait_until_quiet() -> None:
+    for _ in range(BUSY_RETRIES):
+        if torch.get_num_threads() < 2 or _region_seconds() < BUSY_SECONDS:
+            return
+        time.sleep(0.1)
+    raise HostBusy
+
+
+def _min_seconds(candidates: Dict[str, Iterator[Callable[[], object]]]) -> Dict[str, float]:
+    """Min over CALLS timed calls of each candidate, alternating candidates call by call. On a
+    shared host a call that another process preempts costs a scheduler tick (~4 ms), so the
+    minimum of single calls, not the sum of many, is the cost of the kernel itself; while the
+    host stays busy (no call fast enough), timing stops: HostBusy."""
+    _wait_until_quiet()
+    best = {name: math.inf for name in candidates}
+    for i in range(CALLS + 1):                        # call 0 is a warm-up
+        for name, calls in candidates.items():
+            fn = next(calls)
+            t0 = time.perf_counter()
+            fn()
+            if i:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def _copies(count: int, nbytes: int) -> int:
+    """Distinct weights to cycle through so the timed bytes stream from memory, as in a decode
+    step over all layers (a single small weight would sit in L3 and flatter every path)."""
+    return max(1, min(count, -(-STREAM_BYTES // nbytes)))
+
+
+def _mkl_pack(wt: torch.Tensor, m: int) -> torch.Tensor:
+    return torch.ops.mkl._mkl_reorder_linear_weight(wt.t().contiguous(), m)
+
+
+def mkl_gemm(x: torch.Tensor, packed: torch.Tensor, rows: int, n: int, k: int) -> torch.Tensor:
+    """x [M <= rows, K] @ W through MKL's weight packed for exactly `rows` rows: x is padded to
+    rows (MKL's op only uses the packing then, so its unpacked-weight argument is a stand-in)."""
+    m = x.shape[0]
+    if m < rows:
+        x = torch.cat([x, x.new_zeros(rows - m, k)])
+    stand_in = x.new_zeros(1, 1).expand(n, k)
+    return torch.ops.mkl._mkl_linear(x, packed, stand_in, None, rows)[:m]
+
+
+def _time_gemm(k: int, n: int, count: int) -> Dict[str, List[float]]:
+    """Seconds per call of each path, per band (inf: not a candidate there). Each path cycles
+    through its own copies of the weight, so every call reads a weight evicted from L3."""
+    cols = min(n, MAX_TIMED_COLS)
+    ws = [torch.randn(k, cols) for _ in range(_copies(count, 4 * k * cols))]
+    layouts = {"c": itertools.cycle([cpu_kernels.pack_weight(w) for w in ws]),
+               "torch": itertools.cycle(ws)}
+    out = {p: [] for p in GEMM_PATHS}
+    for b, m in enumerate(TIMED_ROWS):
+        x = torch.randn(m, k)
+        calls = {"c": (lambda p=p: cpu_kernels.packed_gemm(x, p, cols) for p in layouts["c"]),
+                 "torch": (lambda w=w: x @ w for w in layouts["torch"])}
+        if mkl_available() and b != _LAST:               # the last band has no largest m
+            packs = [_mkl_pack(w, m) for w in ws[:max(1, len(ws) // 3)]]   # 3-4x the bytes
+            calls["mkl"] = (lambda p=p: mkl_gemm(x, p, m, cols, k) for p in itertools.cycle(packs))
+        best = _min_seconds(calls)
+        for p in GEMM_PATHS:
+            out[p].append(best.get(p, math.inf))
+    return out
+
+
+def _choose_gemm(times: Dict[str, List[float]]) -> List[str]:
+    """Per band: the primary layout's path (most band wins, ties c) unless another path is
+    MARGIN faster there. Extra layouts only exist for such bands."""
+    wins = [min(GEMM_PATHS, key=lambda p: times[p][b]) for b in range(len(BANDS))]
+    primary = max(("c", "torch"), key=lambda p: (wins.count(p), p == "c"))
+    return [w if times[w][b] < (1 - MARGIN) * times[primary][b] else primary
+            for b, w in enumerate(wins)]
+
+
+def _time_attention(heads: int, kv_heads: int, head_dim: int, layers: int,
+                    context: int = 256) -> Dict[str, List[float]]:
+    from vllm.attention.backend import AttentionMetadata, _decode
+    out = {"c": [], "torch": []}
+    for m in TIMED_ROWS:
+        slots = m * context
+        kvs = [torch.randn(slots, 2, kv_heads, head_dim)
+               for _ in range(_copies(layers, slots * 2 * kv_heads * head_dim * 4))]
+        views = torch.randperm(slots).view(m, context)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decodes=m,
+                                 decode_views=views, decode_lens=torch.full((m,), context))
+        q = torch.randn(m, heads, head_dim)
+        best = _min_seconds({
+            path: (lambda kv=kv, path=path: _decode(q, kv, meta, 0.125, path)
+                   for kv in itertools.cycle(kvs))
+            for path in out})
+        for path in out:
+            out[path].append(best[path])
+    return out
+
+
+# ---- the plan of one model ------------------------------------------------------------------
+def _forced() -> Optional[str]:
+    forced = os.environ.get("VLLM_CPU_GEMM", "auto")
+    if forced not in ("auto", *GEMM_PATHS):
+        raise ValueError(f"VLLM_CPU_GEMM={forced!r}: expected auto, c, mkl or torch")
+    if forced == "mkl" and not mkl_available():
+        raise ValueError("VLLM_CPU_GEMM=mkl: this torch build has no torch.ops.mkl._mkl_linear")
+    return None if forced == "auto" else forced
+
+
+def _cache_path(shapes: Dict[Tuple[int, int], int], attention: Tuple[int, ...]) -> "os.PathLike":
+    isa = cpu_kernels.active_isa()
+    key = json.dumps([cpu_kernels.build_key(isa), isa, torch.get_num_threads(), torch.__version__,
+                      sorted(shapes.items()), attention, BANDS, MARGIN])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return envs.cache_root() / "cpu_kernels" / f"plan-{isa}-{digest}.json"
+
+
+def plan_model(shapes: Dict[Tuple[int, int], int], heads: int, kv_heads: int, head_dim: int,
+               layers: int) -> KernelPlan:
+    """The GEMM and attention choices for a model whose weights have these shapes ((K, N) ->
+    how many); decode_layer is filled in later by choose_decode_layer (or read from the cache)."""
+    global _LAST_PLAN
+    isa, forced = cpu_kernels.active_isa(), _forced()
+    common = dict(isa=isa, cpu=cpu_kernels.cpu_name(), threads=torch.get_num_threads())
+    bands = len(BANDS)
+    small = sum(4 * k * n * c for (k, n), c in shapes.items()) < STREAM_BYTES
+    if forced or small:
+        path = forced or "c"
+        last = "torch" if path == "mkl" else path        # MKL's packing needs a largest m
+        plan = KernelPlan(**common, gemm={shape_name(*s): [path] * _LAST + [last] for s in shapes},
+                          attention=["c"] * bands, source="forced" if forced else "small",
+                          decode_layer=[path == "c"] * _LAST + [False])
+    else:
+        cache = _cache_path(shapes, (heads, kv_heads, head_dim, layers))
+        plan = _read(cache) or _timed(common, shapes, (heads, kv_heads, head_dim), layers)
+        plan.cache_path = str(cache)
+    plan.extra_weight_bytes = _extra_bytes(plan, shapes)
+    if plan.source in ("forced", "small"):
+        logger.info("CPU kernel plan (%s, %s): %s", plan.isa, plan.source,
+                    summary(plan.as_dict()))
+    _LAST_PLAN = plan
+    return plan
+
+
+def _timed(common: dict, shapes: Dict[Tuple[int, int], int], attention_shape: Tuple[int, ...],
+           layers: int) -> KernelPlan:
+    """A plan from timings; the default C plan, not cached, if the host is too busy to time."""
+    t0, bands = time.perf_counter(), len(BANDS)
+    try:
+        timings = {shape_name(k, n): _time_gemm(k, n, c) for (k, n), c in shapes.items()}
+        timings["attention"] = _time_attention(*attention_shape, layers)
+    except HostBusy:
+        logger.warning("CPU kernel plan: host too busy to time kernels (other processes on our "
+                       "cores); using the C path everywhere for this run, not cached")
+        return KernelPlan(**common, gemm={shape_name(*s): ["c"] * bands for s in shapes},
+                          attention=["c"] * bands, decode_layer=[True] * _LAST + [False],
+                          source="busy", seconds=time.perf_counter() - t0)
+    attention = [min(("c", "torch"), key=lambda p: timings["attention"][p][b])
+                 for b in range(bands)]
+    gemm = {name: _choose_gemm(t) for name, t in timings.items() if name != "attention"}
+    return KernelPlan(**common, gemm=gemm, attention=attention, timings_ms=_to_ms(timings),
+                      seconds=time.perf_counter() - t0)
+
+
+def choose_decode_layer(plan: KernelPlan,
+                        step: Optional[Callable[[int, bool], List[Callable[[], object]]]]) -> None:
+    """Time step(m, fused) -- callables that each run one layer of an m-row decode step, fused
+    in C or per op -- at each band up to 128 rows; keep the faster; cache the plan.
+    step None: the model has no fused layer."""
+    if plan.source != "timed":
+        return
+    t0 = time.perf_counter()
+    times = {"fused": [], "per_op": []}
+    try:
+        for m in TIMED_ROWS[:_LAST] if step else ():
+            best = _min_seconds({"fused": itertools.cycle(step(m, True)),
+                                 "per_op": itertools.cycle(step(m, False))})
+            for name in times:
+                times[name].append(best[name])
+    except HostBusy:
+        logger.warning("CPU kernel plan: host too busy to time the decode layer; using the "
+                       "fused C layer, not cached")
+        plan.decode_layer, plan.source = [True] * _LAST + [False], "busy"
+        return
+    plan.decode_layer = [f < p for f, p in zip(times["fused"], times["per_op"])]
+    plan.decode_layer += [False] * (len(BANDS) - len(plan.decode_layer))
+    plan.timings_ms["decode_layer"] = _to_ms(times)
+    plan.seconds += time.perf_counter() - t0
+    _write(plan)
+    logger.info("CPU kernel plan (%s, %d threads, timed in %.1f s): %s", plan.isa, plan.threads,
+                plan.seconds, summary(plan.as_dict()))
+
+
+def summary(plan: dict) -> str:
+    """An as_dict() plan in one line: 'gemm 576x960 c c c c c c c c; attention c ...;
+    decode_layer 1 1 ... (bands 1 4 ... 256 rows)'."""
+    rows = [f"gemm {name} {' '.join(paths)}" for name, paths in plan["gemm"].items()]
+    rows.append(f"attention {' '.join(plan['attention'])}")
+    rows.append(f"decode_layer {' '.join(str(int(f)) for f in plan['decode_layer'])}")
+    return "; ".join(rows) + f" (bands {' '.join(str(m) for m in TIMED_ROWS)} rows)"
+
+
+def _extra_bytes(plan: KernelPlan, shapes: Dict[Tuple[int, int], int]) -> int:
+    total = 0
+    for (k, n), count in shapes.items():
+        paths = plan.gemm[shape_name(k, n)]
+        layouts = {p for p in paths if p != "mkl"}
+        mkl_ratio = 4.0 if "mkl" in paths else 0.0       # about 2.7-4.3x per band
+        total += count * 4 * k * n * (max(len(layouts) - 1, 0) + mkl_ratio * paths.count("mkl"))
+    return int(total)
+
+
+def _to_ms(times: Dict) -> Dict:
+    if isinstance(times, dict):
+        return {k: _to_ms(v) for k, v in times.items()}
+    return [round(t * 1e3, 4) if math.isfinite(t) else None for t in times]
+
+
+def _read(path) -> Optional[KernelPlan]:
+    try:
+        data = json.loads(path.read_text())
+        fields = {k: v for k, v in data.items() if k in KernelPlan.__dataclass_fields__}
+        plan = KernelPlan(**{**fields, "source": "cache"})
+    except (OSError, ValueError, TypeError):
+        return None
+    plan.cache_path = str(path)
+    logger.info("CPU kernel plan (%s) from %s: %s", plan.isa, path, summary(plan.as_dict()))
+    return plan
+
+
+def _write(plan: KernelPlan) -> None:
+    path = envs.cache_root() / "cpu_kernels" / os.path.basename(plan.cache_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(plan.as_dict(), indent=1))
+    tmp.replace(path)
