@@ -168,12 +168,13 @@ class OpenAIServing:
 
     # ---- running requests -----------------------------------------------------------------------
     async def generate_many(self, prompts: List[Dict], params: SamplingParams, request_id: str,
-                            kv_eviction: Optional[KVEvictionParams] = None
+                            kv_eviction: Optional[KVEvictionParams] = None, deltas: bool = True
                             ) -> AsyncIterator[Tuple[int, RequestOutput]]:
         """Runs every prompt as its own engine request and yields (prompt index, output) as
-        they come. Closing the iterator (or a failure of one prompt) aborts all of them."""
+        they come (deltas=False: final outputs only). Closing the iterator (or a failure of one
+        prompt) aborts all of them."""
         if len(prompts) == 1:
-            gen = self.engine.generate(prompts[0], params, request_id, kv_eviction)
+            gen = self.engine.generate(prompts[0], params, request_id, kv_eviction, deltas)
             async for out in self._guarded(gen):
                 yield 0, _unless_exhausted(out)
             return
@@ -183,7 +184,7 @@ class OpenAIServing:
         async def pump(i: int, prompt: Dict) -> None:
             try:
                 async for out in self.engine.generate(prompt, params, f"{request_id}-{i}",
-                                                      kv_eviction):
+                                                      kv_eviction, deltas):
                     q.put_nowait((i, out))
             except Exception as e:
                 q.put_nowait((i, e))
@@ -231,7 +232,7 @@ class OpenAIServing:
         finals: List[Optional[RequestOutput]] = [None] * len(prompts)
 
         async def consume():
-            gen = self.generate_many(prompts, params, request_id, kv_eviction)
+            gen = self.generate_many(prompts, params, request_id, kv_eviction, deltas=False)
             try:
                 async for i, out in gen:
                     if out.finished:
