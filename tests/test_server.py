@@ -436,3 +436,21 @@ def test_request_that_outgrows_the_pool_is_an_openai_error(model_dir):
         assert any("error" in e and e["error"]["code"] == "kv_cache_exhausted"
                    for e in events if isinstance(e, dict))
         wait_until_clean(engine)
+
+
+def test_engine_is_built_on_its_loop_thread(tiny_llama):
+    """The LLMEngine is loaded by the thread that will step it (the CPU path runs ~25% slower
+    when another thread steps it); it waits for start(), and shutdown() before start() ends it."""
+    import threading
+    from tests.server_utils import make_engine
+    engine = make_engine(tiny_llama, num_gpu_blocks_override=32)
+    builder = engine._thread
+    assert builder.is_alive() and not engine.is_running
+    engine.start()
+    assert engine.is_running and engine._thread is builder
+    assert engine.call(lambda e: threading.current_thread()).result(timeout=10) is builder
+    engine.shutdown()
+    assert not builder.is_alive()
+    idle = make_engine(tiny_llama, num_gpu_blocks_override=32)
+    idle.shutdown()
+    assert not idle._thread or not idle._thread.is_alive()
