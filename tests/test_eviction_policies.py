@@ -395,3 +395,20 @@ def test_property_budget_and_protection(name, prompt, steps, budget, ratio, sink
         victims = p.on_decode(live, mass, n)
         check_step(p, cfg, live, victims, n, decode=True)
         live = np.setdiff1d(live, victims)
+
+
+# ---------------------------------------------------------------- K-norm (score-free)
+
+def test_knorm_worked_example():
+    """Budget 3 of 5 live tokens: the two largest key norms go, the newest token never does."""
+    p = policy("knorm", budget_tokens=3)
+    assert not p.needs_attention_stats and p.needs_key_norms
+    p.observe_key_norms(ids(0, 1, 2, 3, 4), f32(0.5, 3.0, 1.0, 2.0, 9.0))
+    assert p.on_prefill(ids(0, 1, 2, 3, 4), None, 5).tolist() == [1, 3]
+    # one decode step later: token 5 arrives, one over budget -> the 9.0 of token 4 goes
+    p.observe_key_norms(ids(5), f32(0.1))
+    assert p.on_decode(ids(0, 2, 4, 5), None, 6).tolist() == [4]
+    # ties fall to the older token; sinks are protected
+    q = policy("knorm", budget_tokens=3, sink_tokens=1)
+    q.observe_key_norms(ids(0, 1, 2, 3, 4), f32(7, 2, 2, 1, 1))
+    assert q.on_prefill(ids(0, 1, 2, 3, 4), None, 5).tolist() == [1, 2]

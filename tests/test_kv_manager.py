@@ -195,3 +195,25 @@ def test_every_block_is_usable_under_vtoken(tiny_llama):
     outs, _ = run(eng, [random_prompts(1, seed=8, lo=32, hi=33)[0]], greedy(16))
     assert outs[0].outputs[0].finish_reason == "length"
     assert eng.kv.bm.peak_used == 4
+
+
+def test_knorm_sees_the_key_norms_written_to_the_cache(tiny_llama):
+    """The runner reports each new token's ||k|| (mean over layers and KV heads) as read back from
+    the cache; K-norm evicts the largest and needs no attention statistics at all."""
+    eng = engine(tiny_llama, kv_eviction_policy="knorm", kv_budget_tokens=24)
+    eng.add_request("k", {"prompt_token_ids": random_prompts(1, seed=61, lo=60, hi=61)[0]},
+                    greedy(12))
+    seq = eng.requests["k"].seqs[0]
+    for _ in range(6):
+        inp_scores = eng.kv.score_request([(seq, 1)])
+        assert inp_scores.key_norms and not inp_scores.decode and not inp_scores.prefill_from
+        eng.step()
+    tt = eng.kv.token_table
+    live = tt.live_ids(seq.seq_id)
+    slots = torch.from_numpy(tt.live_slots(seq.seq_id).astype(np.int64))
+    cache = eng.kv_caches[:, slots, 0].norm(dim=-1).mean(dim=(0, 2)).numpy()
+    assert np.allclose(seq.policy.norms[live], cache, rtol=1e-5)
+    dead = np.setdiff1d(np.arange(1, tt.length(seq.seq_id) - 1), live)
+    assert len(live) == 24 and len(dead) > 0
+    while eng.has_unfinished_requests():
+        eng.step()

@@ -21,7 +21,8 @@ from tests.conftest import VOCAB
 from vllm import LLM, SamplingParams
 from vllm.worker.relocation import DelayedRelocationExecutor
 
-POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv"]
+POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv",
+            "knorm"]
 MODES = ["none", "vtoken", "vtoken-fill"]
 MAX_STEPS = 4000
 EXAMPLES = 80

@@ -7,7 +7,8 @@ from tests.conftest import random_prompts
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 
-POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv"]
+POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv",
+            "knorm"]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 

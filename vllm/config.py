@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-window",
-                     "random", "tova", "snapkv")
+                     "random", "tova", "snapkv", "knorm")
 RECLAMATION_MODES = ("vtoken", "vtoken-fill", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 

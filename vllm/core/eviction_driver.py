@@ -76,7 +76,10 @@ class EvictionDriver:
     def request_scores(self, seq: Sequence, num_new: int, req: ScoreRequest) -> None:
         """Add what this sequence's policy reads from a step of num_new tokens to `req`."""
         p = self.policy(seq)
-        if p is None or not p.needs_attention_stats:
+        if p is None:
+            return
+        req.key_norms |= p.needs_key_norms
+        if not p.needs_attention_stats:
             return
         start = seq.num_computed_tokens
         if start >= seq.prefill_end:
@@ -105,6 +108,9 @@ class EvictionDriver:
     def after_step(self, row: SeqStepStats) -> None:
         if not self.evicts(row.seq):
             return
+        if row.key_norms is not None:
+            n = row.seq.num_computed_tokens
+            self.policy(row.seq).observe_key_norms(np.arange(n - row.num_new, n), row.key_norms)
         evict = self._run_policy(row)
         if len(evict) == 0:
             return

@@ -47,6 +47,7 @@ class ModelInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     rows: List[StepRow]
+    scores: ScoreRequest
 
 
 class ModelRunner:
@@ -106,7 +107,8 @@ class ModelRunner:
         # a one-token prompt chunk runs as a decode row: its scores come from the decode mass
         if decodes and (scores.decode or any(s.seq_id in scores.prefill_from for s, _ in decodes)):
             meta.decode_mass = torch.zeros(view_slots.shape, dtype=torch.float32)
-        return ModelInput(input_ids=input_ids, positions=positions, meta=meta, rows=rows)
+        return ModelInput(input_ids=input_ids, positions=positions, meta=meta, rows=rows,
+                          scores=scores)
 
     @staticmethod
     def _prefill_span(start: int, n: int, computed: int, view_ids: np.ndarray,
@@ -122,15 +124,21 @@ class ModelRunner:
     def execute(self, inp: ModelInput) -> torch.Tensor:
         return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
 
-    @staticmethod
-    def step_stats(inp: ModelInput) -> StepStats:
+    def step_stats(self, inp: ModelInput) -> StepStats:
         """The step's attention statistics per sequence, as numpy arrays by view position."""
         meta, rows = inp.meta, []
+        norms = self._key_norms(meta.slot_mapping) if inp.scores.key_norms else None
         for r in inp.rows:
             scores = None
             if r.is_decode and meta.decode_mass is not None:
                 scores = meta.decode_mass[r.stats_row, :len(r.view_ids)].numpy()
             elif not r.is_decode and meta.prefills[r.stats_row].colsum is not None:
                 scores = meta.prefills[r.stats_row].colsum.numpy()
-            rows.append(SeqStepStats(r.seq, r.num_new, r.is_decode, r.view_ids, scores))
+            rows.append(SeqStepStats(r.seq, r.num_new, r.is_decode, r.view_ids, scores,
+                                     None if norms is None else norms[r.start:r.start + r.num_new]))
         return StepStats(rows)
+
+    def _key_norms(self, slots: torch.Tensor) -> np.ndarray:
+        """||k|| of the keys just written at `slots`, averaged over layers and KV heads."""
+        keys = self.kv_caches[:, slots, 0].float()              # [layers, T, KVH, D]
+        return keys.norm(dim=-1).mean(dim=(0, 2)).numpy()

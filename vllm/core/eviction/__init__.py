@@ -4,6 +4,7 @@ from typing import Optional
 from vllm.config import KVEvictionConfig
 from vllm.core.eviction.base import EvictionPolicy, token_budget
 from vllm.core.eviction.h2o import H2OPolicy
+from vllm.core.eviction.knorm import KNormPolicy
 from vllm.core.eviction.random_policy import RandomPolicy
 from vllm.core.eviction.scissorhands import ScissorhandsPolicy
 from vllm.core.eviction.snapkv import SnapKVPolicy
@@ -18,6 +19,7 @@ POLICY_CLASSES = {
     "random": RandomPolicy,
     "tova": TOVAPolicy,
     "snapkv": SnapKVPolicy,
+    "knorm": KNormPolicy,
 }
 
 
@@ -29,5 +31,5 @@ def make_policy(config: KVEvictionConfig, request_id: str,
     return POLICY_CLASSES[config.policy](config, request_id, num_layer_heads)
 
 
-__all__ = ["EvictionPolicy", "H2OPolicy", "RandomPolicy", "ScissorhandsPolicy", "SnapKVPolicy",
+__all__ = ["EvictionPolicy", "H2OPolicy", "KNormPolicy", "RandomPolicy", "ScissorhandsPolicy", "SnapKVPolicy",
            "StreamingLLMPolicy", "TOVAPolicy", "POLICY_CLASSES", "make_policy", "token_budget"]
