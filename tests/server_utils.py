@@ -73,7 +73,7 @@ def serve(model: str, served_name: str = "tiny", api_key=None, **engine_kwargs):
 def engine_state(engine: AsyncLLMEngine) -> dict:
     """Checks accounting and reports what the engine still holds."""
     def probe(e):
-        e.check_accounting()
+        e.check_invariants()
         bm = e.kv.bm
         return {"unfinished": e.get_num_unfinished_requests(), "free": bm.num_free_blocks,
                 "total": bm.num_blocks, "tables": len(bm.token_table),

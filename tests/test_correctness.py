@@ -13,7 +13,7 @@ def _generate(model_dir, prompts, **kwargs):
     llm = LLM(model_dir, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.check_accounting()
+    llm.llm_engine.check_invariants()
     assert llm.llm_engine.kv.bm.num_free_blocks == llm.llm_engine.kv.bm.num_blocks
     return [o.outputs[0].token_ids for o in outs], llm
 

@@ -102,7 +102,7 @@ def install_probe(llm, delay):
 def generate(llm, prompts):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     eng = llm.llm_engine
-    eng.check_accounting()
+    eng.check_invariants()
     assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
     return [o.outputs[0].token_ids for o in outs]
 

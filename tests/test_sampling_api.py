@@ -12,7 +12,7 @@ def llm(tiny_llama):
 
 def _clean(llm):
     eng = llm.llm_engine
-    eng.check_accounting()
+    eng.check_invariants()
     assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
     assert not eng.requests
 

@@ -29,7 +29,7 @@ def run(model, prompts, params=GREEDY, ids=None, **kwargs):
     while eng.has_unfinished_requests():
         for o in eng.step():
             outs[o.request_id] = o
-    eng.check_accounting()
+    eng.check_invariants()
     assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
     assert len(eng.kv.bm.token_table) == 0
     return llm, [outs[r] for r in ids], [seqs[r] for r in ids]
@@ -144,7 +144,7 @@ def test_shared_prefix_blocks_are_never_relocated(tiny_llama):
         if shared is None and eng.scheduler.running:
             shared = set(eng.scheduler.running[0].shared_blocks)
     assert shared and moved_from and not shared & set(moved_from)
-    eng.check_accounting()
+    eng.check_invariants()
 
 
 def test_preemption_under_eviction_keeps_invariants(tiny_llama, long_prompts):

@@ -42,12 +42,14 @@ class EvictionDriver:
         return seq.policy
 
     def evicts(self, seq: Sequence) -> bool:
-        return self.policy(seq) is not None
+        return (seq.kv_config or self.config).enabled
 
     def scored_queries(self, seq: Sequence) -> int:
         """How many of the last prompt queries the policy scores with (0: none, ALL: every)."""
+        if not self.evicts(seq):
+            return 0
         p = self.policy(seq)
-        if p is None or not (p.needs_attention_stats and p.needs_prefill_stats):
+        if not (p.needs_attention_stats and p.needs_prefill_stats):
             return 0
         return ALL if p.prefill_query_window is None else p.prefill_query_window
 
@@ -75,9 +77,9 @@ class EvictionDriver:
     # ---- per step -----------------------------------------------------------------------------
     def request_scores(self, seq: Sequence, num_new: int, req: ScoreRequest) -> None:
         """Add what this sequence's policy reads from a step of num_new tokens to `req`."""
-        p = self.policy(seq)
-        if p is None:
+        if not self.evicts(seq):
             return
+        p = self.policy(seq)
         req.key_norms |= p.needs_key_norms
         if not p.needs_attention_stats:
             return

@@ -32,8 +32,7 @@ class KVMonitor:
         """Final per-request figures, taken while the request still holds its KV."""
         st = seq.kv_stats
         st["blocks_at_finish"] = len(seq.block_ids)
-        st["live_tokens"] = self.bm.token_table.num_live(seq.seq_id) \
-            if seq.seq_id in self.bm.token_table else 0
+        st["live_tokens"] = self.bm.token_table.num_live(seq.seq_id)
         st.setdefault("peak_blocks", st["blocks_at_finish"])
         st.setdefault("evicted_tokens", 0)
         st.setdefault("relocated_tokens", 0)

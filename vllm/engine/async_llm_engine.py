@@ -179,7 +179,7 @@ class AsyncLLMEngine:
         self._submit(lambda: self._abort(request_id))
 
     def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
-        """Run fn(engine) on the engine thread between steps (e.g. check_accounting)."""
+        """Run fn(engine) on the engine thread between steps (e.g. check_invariants)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def run():

@@ -318,5 +318,3 @@ class LLMEngine:
         self.kv.check_invariants()
         running = {s.seq_id for s in self.scheduler.running}
         assert running == set(self.kv.seqs), "running sequences and KV holders disagree"
-
-    check_accounting = check_invariants
