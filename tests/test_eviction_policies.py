@@ -390,25 +390,64 @@ def test_property_budget_and_protection(name, prompt, steps, budget, ratio, sink
     for n in range(prompt + 1, prompt + steps + 1):
         live = np.append(live, n - 1)
         mass = None
-        if p.needs_attention_stats:      # a(j): sum over L*H heads of probabilities over live keys
+        if p.needs_decode_stats:         # a(j): sum over L*H heads of probabilities over live keys
             mass = rng.dirichlet(np.full(len(live), 0.3), size=lh).sum(0).astype(np.float32)
         victims = p.on_decode(live, mass, n)
         check_step(p, cfg, live, victims, n, decode=True)
         live = np.setdiff1d(live, victims)
 
 
-# ---------------------------------------------------------------- K-norm (score-free)
+# ---------------------------------------------------------------- K-norm and KeyDiff (score-free)
 
 def test_knorm_worked_example():
     """Budget 3 of 5 live tokens: the two largest key norms go, the newest token never does."""
     p = policy("knorm", budget_tokens=3)
-    assert not p.needs_attention_stats and p.needs_key_norms
-    p.observe_key_norms(ids(0, 1, 2, 3, 4), f32(0.5, 3.0, 1.0, 2.0, 9.0))
-    assert p.on_prefill(ids(0, 1, 2, 3, 4), None, 5).tolist() == [1, 3]
+    assert not p.needs_attention_stats and p.key_statistic == "norm"
+    live = ids(0, 1, 2, 3, 4)
+    p.observe_key_statistic(live, f32(0.5, 3.0, 1.0, 2.0, 9.0))
+    assert p.on_prefill(live, None, 5).tolist() == [1, 3]
     # one decode step later: token 5 arrives, one over budget -> the 9.0 of token 4 goes
-    p.observe_key_norms(ids(5), f32(0.1))
-    assert p.on_decode(ids(0, 2, 4, 5), None, 6).tolist() == [4]
+    live = ids(0, 2, 4, 5)
+    p.observe_key_statistic(live, f32(0.5, 1.0, 9.0, 0.1))
+    assert p.on_decode(live, None, 6).tolist() == [4]
     # ties fall to the older token; sinks are protected
     q = policy("knorm", budget_tokens=3, sink_tokens=1)
-    q.observe_key_norms(ids(0, 1, 2, 3, 4), f32(7, 2, 2, 1, 1))
-    assert q.on_prefill(ids(0, 1, 2, 3, 4), None, 5).tolist() == [1, 2]
+    q.observe_key_statistic(live := ids(0, 1, 2, 3, 4), f32(7, 2, 2, 1, 1))
+    assert q.on_prefill(live, None, 5).tolist() == [1, 2]
+
+
+def test_keydiff_worked_example():
+    """Budget 3 of 5 live tokens: the two keys most similar to the mean key go, the newest never."""
+    p = policy("keydiff", budget_tokens=3)
+    assert not p.needs_attention_stats and p.key_statistic == "similarity"
+    live = ids(0, 1, 2, 3, 4)
+    p.observe_key_statistic(live, f32(0.2, 0.9, 0.1, 0.8, 0.95))
+    assert p.on_prefill(live, None, 5).tolist() == [1, 3]
+    # one decode step later the anchor moved: new similarities for the new view
+    live = ids(0, 2, 4, 5)
+    p.observe_key_statistic(live, f32(0.3, 0.7, 0.6, 0.99))
+    assert p.on_decode(live, None, 6).tolist() == [2]
+    # ties fall to the older token; sinks are protected
+    q = policy("keydiff", budget_tokens=3, sink_tokens=1)
+    q.observe_key_statistic(live := ids(0, 1, 2, 3, 4), f32(0.9, 0.5, 0.5, 0.1, 0.1))
+    assert q.on_prefill(live, None, 5).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["knorm", "keydiff"])
+def test_key_score_policies_refuse_a_stale_statistic(name):
+    p = policy(name, budget_tokens=2)
+    p.observe_key_statistic(ids(0, 1, 2), f32(0.1, 0.2, 0.3))
+    with pytest.raises(AssertionError, match="this step's key statistic"):
+        p.on_decode(ids(0, 1, 2, 3), None, 4)
+    assert p.on_decode(ids(0, 3), None, 4).size == 0           # under budget: nothing needed
+
+
+def test_snapkv_compresses_each_streamed_chunk_but_not_single_decodes():
+    """A streamed prompt chunk brings the votes of its last w queries (on_decode with scores);
+    a plain decode step brings none and evicts nothing."""
+    p = policy("snapkv", budget_tokens=4, snapkv_window=2, snapkv_kernel=1)
+    live = ids(0, 1, 2, 3, 4, 5, 6, 7)
+    votes = f32(5, 0, 4, 1, 3, 0, 9, 9)
+    # over 4, the window (6, 7) kept, lowest votes first: 1 (0), 5 (0), 3 (1), 4 (3)
+    assert p.on_decode(live, votes, 8).tolist() == [1, 3, 4, 5]
+    assert p.on_decode(live, None, 8).size == 0

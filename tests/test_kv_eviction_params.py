@@ -68,7 +68,7 @@ def test_per_request_settings_match_engine_wide_ones(tiny_llama):
 @pytest.mark.parametrize("kwargs,field", [
     (dict(policy="lru"), "kv_eviction_policy"), (dict(eviction_ratio=1.0), "kv_eviction_ratio"),
     (dict(eviction_ratio=-0.5), "kv_eviction_ratio"), (dict(budget_tokens=0), "kv_budget_tokens"),
-    (dict(min_tokens=-1), "kv_min_tokens")])
+    (dict(min_tokens=-1), "kv_min_tokens"), (dict(prefill_chunk=0), "kv_prefill_chunk")])
 def test_bad_per_request_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         KVEvictionParams(**kwargs)
@@ -131,7 +131,8 @@ def test_chat_evicts_per_request(server):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field,value", [("kv_eviction_policy", "lru"),
                                          ("kv_eviction_ratio", 1.5), ("kv_eviction_ratio", -0.1),
-                                         ("kv_budget_tokens", 0), ("kv_min_tokens", -3)])
+                                         ("kv_budget_tokens", 0), ("kv_min_tokens", -3),
+                                         ("kv_prefill_chunk", 0)])
 def test_bad_eviction_fields_are_400_naming_the_field(server, path, field, value):
     srv, engine = server
     body = {"model": "tiny", "max_tokens": 2, field: value}

@@ -197,23 +197,100 @@ def test_every_block_is_usable_under_vtoken(tiny_llama):
     assert eng.kv.bm.peak_used == 4
 
 
-def test_knorm_sees_the_key_norms_written_to_the_cache(tiny_llama):
-    """The runner reports each new token's ||k|| (mean over layers and KV heads) as read back from
-    the cache; K-norm evicts the largest and needs no attention statistics at all."""
-    eng = engine(tiny_llama, kv_eviction_policy="knorm", kv_budget_tokens=24)
-    eng.add_request("k", {"prompt_token_ids": random_prompts(1, seed=61, lo=60, hi=61)[0]},
+def cached_key_statistic(eng, slots: torch.Tensor, kind: str) -> np.ndarray:
+    keys = eng.kv_caches[:, slots, 0]
+    if kind == "norm":
+        return keys.norm(dim=-1).mean(dim=(0, 2)).numpy()
+    unit = keys / keys.norm(dim=-1, keepdim=True)
+    anchor = unit.mean(dim=1, keepdim=True)
+    return (unit * anchor / anchor.norm(dim=-1, keepdim=True)).sum(-1).mean(dim=(0, 2)).numpy()
+
+
+@pytest.mark.parametrize("policy,kind", [("knorm", "norm"), ("keydiff", "similarity")])
+def test_key_score_policies_read_the_cached_keys(tiny_llama, policy, kind):
+    """K-norm's ||k|| and KeyDiff's cos(k, mean unit key) are computed over the step's view from
+    the cache (mean over layers and KV heads), only on steps where the request is over budget;
+    no attention statistics are asked for; the largest score goes."""
+    eng = engine(tiny_llama, kv_eviction_policy=policy, kv_budget_tokens=24,
+                 kv_reclamation="none")
+    eng.add_request("k", {"prompt_token_ids": random_prompts(1, seed=62, lo=60, hi=61)[0]},
                     greedy(12))
     seq = eng.requests["k"].seqs[0]
-    for _ in range(6):
-        inp_scores = eng.kv.score_request([(seq, 1)])
-        assert inp_scores.key_norms and not inp_scores.decode and not inp_scores.prefill_from
-        eng.step()
     tt = eng.kv.token_table
-    live = tt.live_ids(seq.seq_id)
-    slots = torch.from_numpy(tt.live_slots(seq.seq_id).astype(np.int64))
-    cache = eng.kv_caches[:, slots, 0].norm(dim=-1).mean(dim=(0, 2)).numpy()
-    assert np.allclose(seq.policy.norms[live], cache, rtol=1e-5)
-    dead = np.setdiff1d(np.arange(1, tt.length(seq.seq_id) - 1), live)
-    assert len(live) == 24 and len(dead) > 0
-    while eng.has_unfinished_requests():
+    eng.step()                                            # the prompt: evicts down to 24
+    assert seq.kv_stats["evicted_tokens"] == 36 and len(seq.policy.score_ids) == 60
+    for _ in range(4):
+        new = seq.num_tokens - 1
+        view = np.append(tt.live_ids(seq.seq_id), new)
+        before = tt.live_slots(seq.seq_id).copy()     # no relocation here: they stay put
+        req = eng.kv.score_request([(seq, 1)])
+        assert not req.decode and not req.prefill_from
         eng.step()
+        assert seq.policy.score_ids.tolist() == view.tolist()
+        slots = torch.from_numpy(np.append(before, tt.slots(seq.seq_id, new, new + 1)))
+        assert np.allclose(seq.policy.score, cached_key_statistic(eng, slots, kind), atol=1e-5)
+        gone = np.setdiff1d(view, tt.live_ids(seq.seq_id))
+        assert len(gone) == 1 and gone[0] == view[np.argmax(seq.policy.score[:-1])]
+    # under budget the statistic is never computed
+    eng2 = engine(tiny_llama, kv_eviction_policy=policy, kv_budget_tokens=500)
+    eng2.add_request("k", {"prompt_token_ids": random_prompts(1, seed=62, lo=60, hi=61)[0]},
+                     greedy(3))
+    seq2 = eng2.requests["k"].seqs[0]
+    for _ in range(3):
+        eng2.step()
+    assert len(seq2.policy.score_ids) == 0
+
+
+def hf_masked_logprobs(model_dir, prompt, visible: np.ndarray) -> torch.Tensor:
+    """Log-probs of prompt[1:] from transformers when query i sees key j iff visible[i, j]."""
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                           attn_implementation="eager")
+    mask = torch.zeros(1, 1, *visible.shape)
+    mask[0, 0][~torch.from_numpy(visible)] = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt]), attention_mask=mask).logits[0]
+    lp = torch.log_softmax(logits.float(), -1)
+    return lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "keydiff"])
+def test_streamed_prompt_evicts_per_chunk_and_matches_transformers(tiny_llama, policy):
+    """--kv-prefill-chunk 16: the policy runs at prompt positions 16, 32, ... (fixed, whatever
+    the step's token budget cuts), so the prompt never holds more than budget + 16 live tokens.
+    Teacher-forced log-probs of every prompt token equal transformers' with exactly the evicted
+    keys masked from every later query (two prompts batched, chunks cut by a 24-token budget)."""
+    eng = engine(tiny_llama, kv_eviction_policy=policy, kv_budget_tokens=40,
+                 kv_prefill_chunk=16, max_num_batched_tokens=24, kv_reclamation="vtoken",
+                 kv_frag_threshold=0.0)
+    prompts = random_prompts(2, seed=71, lo=100, hi=120)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    seqs = []
+    for i, p in enumerate(prompts):
+        eng.add_request(f"s{i}", {"prompt_token_ids": p}, params)
+        seqs.append(eng.requests[f"s{i}"].seqs[0])
+    evicted_at = [dict() for _ in prompts]           # logical id -> tokens computed at eviction
+    seen = [0, 0]
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+        for k, seq in enumerate(seqs):
+            log = seq.eviction_log or []
+            for batch in log[seen[k]:]:
+                assert seq.num_computed_tokens % 16 == 0 or \
+                    seq.num_computed_tokens >= len(prompts[k]), "evicted off a chunk boundary"
+                evicted_at[k].update({int(j): seq.num_computed_tokens for j in batch})
+            seen[k] = len(log)
+            if seq.num_computed_tokens and not seq.is_finished:
+                live = eng.kv.token_table.num_live(seq.seq_id)
+                assert live <= 40 + 16
+    for k, p in enumerate(prompts):
+        assert len(evicted_at[k]) >= len(p) - 40
+        visible = np.tril(np.ones((len(p), len(p)), bool))
+        for j, t in evicted_at[k].items():
+            visible[t:, j] = False
+        want = hf_masked_logprobs(tiny_llama, p, visible)
+        out = outs[f"s{k}"]
+        got = torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], p[1:])])
+        assert torch.allclose(got, want, atol=1e-4), policy

@@ -22,7 +22,7 @@ from vllm import LLM, SamplingParams
 from vllm.worker.relocation import DelayedRelocationExecutor
 
 POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv",
-            "knorm"]
+            "knorm", "keydiff"]
 MODES = ["none", "vtoken", "vtoken-fill"]
 MAX_STEPS = 4000
 EXAMPLES = 80

@@ -8,7 +8,7 @@ from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 
 POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv",
-            "knorm"]
+            "knorm", "keydiff"]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
@@ -50,6 +50,7 @@ def test_naive_evict_and_vtoken_are_token_identical(tiny_llama, long_prompts, po
                                kv_reclamation="none")
     llm, vtok, vtok_seqs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
                                kv_reclamation="vtoken", kv_frag_threshold=0.0)
+    _identical_with_streamed_prompts(tiny_llama, long_prompts, policy)
     assert [o.outputs[0].token_ids for o in vtok] == [o.outputs[0].token_ids for o in naive]
     assert logs(vtok_seqs) == logs(naive_seqs)
     assert all(o.kv_stats["evicted_tokens"] > 0 for o in vtok)
@@ -63,6 +64,16 @@ def test_naive_evict_and_vtoken_are_token_identical(tiny_llama, long_prompts, po
     fill_stats, vtok_stats = fill_llm.get_kv_stats(), llm.get_kv_stats()
     assert fill_stats["hole_slots_reused"] > 0
     assert fill_stats["bytes_moved"] <= vtok_stats["bytes_moved"] or policy == "scissorhands"
+
+
+def _identical_with_streamed_prompts(model, prompts, policy):
+    """--kv-prefill-chunk: the prompts evict as they stream in, also while vToken relocates."""
+    args = dict(kv_eviction_policy=policy, kv_prefill_chunk=24, max_num_batched_tokens=40)
+    _, naive, naive_seqs = run(model, prompts, kv_reclamation="none", **args)
+    _, vtok, vtok_seqs = run(model, prompts, kv_reclamation="vtoken", kv_frag_threshold=0.0,
+                             **args)
+    assert [o.outputs[0].token_ids for o in vtok] == [o.outputs[0].token_ids for o in naive]
+    assert logs(vtok_seqs) == logs(naive_seqs)
 
 
 def test_policy_none_with_vtoken_matches_native(tiny_llama, long_prompts):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-window",
-                     "random", "tova", "snapkv", "knorm")
+                     "random", "tova", "snapkv", "knorm", "keydiff")
 RECLAMATION_MODES = ("vtoken", "vtoken-fill", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -70,6 +70,7 @@ class KVEvictionConfig:
     eviction_ratio: float = 0.5             # fraction evicted; budget = floor((1 - r) * n)
     budget_tokens: Optional[int] = None     # fixed budget instead of the ratio
     min_tokens: int = 0                     # floor: never fewer live tokens (EngineArgs: 512)
+    prefill_chunk: Optional[int] = None     # evict after every N prompt tokens (None: at its end)
     sink_tokens: Optional[int] = None       # None: policy default (4 for streamingllm, else 0)
     recent_fraction: float = 0.5            # H2O: share of the budget kept as the recent window
     scissorhands_window: int = 400          # w: history of low-attention steps
@@ -92,6 +93,8 @@ class KVEvictionConfig:
         _check(self.budget_tokens is None or self.budget_tokens >= 1, "--kv-budget-tokens",
                f"must be >= 1, got {self.budget_tokens}")
         _check(self.min_tokens >= 0, "--kv-min-tokens", f"must be >= 0, got {self.min_tokens}")
+        _check(self.prefill_chunk is None or self.prefill_chunk >= 1, "--kv-prefill-chunk",
+               f"must be >= 1, got {self.prefill_chunk}")
         _check(self.sink_tokens is None or self.sink_tokens >= 0, "--kv-sink-tokens",
                f"must be >= 0, got {self.sink_tokens}")
         _check(0.0 <= self.recent_fraction <= 1.0, "--kv-recent-fraction",

@@ -19,6 +19,7 @@ class KVEvictionParams:
     eviction_ratio: Optional[float] = None   # in [0, 1): budget = floor((1 - r) * length)
     budget_tokens: Optional[int] = None      # >= 1: a fixed budget instead of the ratio
     min_tokens: Optional[int] = None         # >= 0: never fewer live tokens than this
+    prefill_chunk: Optional[int] = None      # >= 1: evict after every N prompt tokens
 
     def __post_init__(self):
         # names as the OpenAI request bodies spell them
@@ -31,6 +32,8 @@ class KVEvictionParams:
             raise ValueError(f"kv_budget_tokens: must be >= 1, got {self.budget_tokens}")
         if self.min_tokens is not None and self.min_tokens < 0:
             raise ValueError(f"kv_min_tokens: must be >= 0, got {self.min_tokens}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"kv_prefill_chunk: must be >= 1, got {self.prefill_chunk}")
 
     def apply(self, config: KVEvictionConfig) -> KVEvictionConfig:
         """The engine's config with this request's settings; a ratio given without a budget
@@ -38,7 +41,8 @@ class KVEvictionParams:
         changes = {k: v for k, v in (("policy", self.policy),
                                       ("eviction_ratio", self.eviction_ratio),
                                       ("budget_tokens", self.budget_tokens),
-                                      ("min_tokens", self.min_tokens)) if v is not None}
+                                      ("min_tokens", self.min_tokens),
+                                      ("prefill_chunk", self.prefill_chunk)) if v is not None}
         if self.eviction_ratio is not None and self.budget_tokens is None:
             changes["budget_tokens"] = None
         if self.policy is not None and self.policy != config.policy:

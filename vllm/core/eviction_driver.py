@@ -6,9 +6,10 @@ hides from the next step on. Blocks are never a policy's business: a block whose
 dead goes back to the pool here (that is all Naive-Evict can do); repacking partially live
 blocks is the reclamation backend's job.
 
-A prompt's chunks are scored together and the policy runs once at the prompt's end. A re-prefill
-after preemption is different: the request may have outgrown the pool, so it evicts as it goes
-(the first chunk is its "prompt", each later chunk one multi-query "decode" step).
+A prompt's chunks are scored together and the policy runs once at the prompt's end, unless the
+request streams: with --kv-prefill-chunk N, or in a re-prefill after preemption (the request may
+have outgrown the pool), it evicts as it goes (the first chunk is its "prompt", each later chunk one
+multi-query "decode" step), so a long prompt never holds more than its budget plus one chunk.
 """
 from typing import Callable, Optional, Set
 
@@ -41,8 +42,16 @@ class EvictionDriver:
                                      self.num_layer_heads)
         return seq.policy
 
+    def config_of(self, seq: Sequence) -> KVEvictionConfig:
+        return seq.kv_config or self.config
+
     def evicts(self, seq: Sequence) -> bool:
-        return (seq.kv_config or self.config).enabled
+        return self.config_of(seq).enabled
+
+    def streams(self, seq: Sequence) -> bool:
+        """Its prompt (or re-prefill) evicts chunk by chunk instead of once at the end."""
+        return self.evicts(seq) and (seq.num_preemptions > 0 or
+                                     self.config_of(seq).prefill_chunk is not None)
 
     def scored_queries(self, seq: Sequence) -> int:
         """How many of the last prompt queries the policy scores with (0: none, ALL: every)."""
@@ -56,10 +65,12 @@ class EvictionDriver:
     def max_cache_hits(self, seq: Sequence) -> Optional[int]:
         """Prefix-cache hits must not skip a query the policy scores with: a hit's queries never
         run, so their attention would be missing and the eviction decisions would change."""
+        if self.evicts(seq) and self.config_of(seq).prefill_chunk is not None:
+            return 0                      # a hit would move where the chunks (and evictions) fall
         window = self.scored_queries(seq)
         if window == 0:
             return None
-        if seq.num_preemptions:           # a re-prefill scores every chunk
+        if self.streams(seq):             # a re-prefill scores every chunk
             return 0
         return max(seq.num_tokens - window, 0) // self.bm.block_size
 
@@ -80,7 +91,8 @@ class EvictionDriver:
         if not self.evicts(seq):
             return
         p = self.policy(seq)
-        req.key_norms |= p.needs_key_norms
+        if p.key_statistic is not None and self._evicts_after(seq, num_new):
+            req.key_statistic[seq.seq_id] = p.key_statistic
         if not p.needs_attention_stats:
             return
         start = seq.num_computed_tokens
@@ -91,28 +103,40 @@ class EvictionDriver:
         if first is not None:
             req.prefill_from[seq.seq_id] = first
 
+    def _evicts_after(self, seq: Sequence, num_new: int) -> bool:
+        """The policy runs after this step and the request will be over its budget."""
+        start, n = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        runs = start >= seq.prefill_end or n >= self._segment_end(seq, start, num_new)
+        return runs and self.bm.token_table.num_live(seq.seq_id) > self.policy(seq).budget(n)
+
+    def _segment_end(self, seq: Sequence, start: int, num_new: int) -> int:
+        """The prompt position after which the policy next runs, for a chunk starting at
+        `start`: the prompt's end; with --kv-prefill-chunk C the next multiple of C (fixed
+        positions, so batching never moves them); in a re-prefill the end of each chunk."""
+        if seq.num_preemptions:
+            return start + num_new
+        chunk = self.config_of(seq).prefill_chunk
+        if chunk is None:
+            return seq.prefill_end
+        return min((start // chunk + 1) * chunk, seq.prefill_end)
+
     def _first_scored(self, seq: Sequence, start: int, num_new: int) -> Optional[int]:
         """Index in a prompt chunk [start, start + num_new) of its first query the policy scores
         with (None: none of them)."""
         window = self.scored_queries(seq)
-        if seq.num_preemptions and seq.policy_ran and not window and \
+        if self.streams(seq) and seq.policy_ran and not window and \
                 self.policy(seq).needs_decode_stats:
-            window = ALL                                 # a later re-prefill chunk: a decode step
+            window = ALL                                 # a later streamed segment: a decode step
         if not window:
             return None
-        if seq.num_preemptions and start + num_new < seq.prefill_end:
-            target = start + num_new                     # evicting as it goes: this chunk
-        else:
-            target = seq.prefill_end
-        first = max(target - window, start) - start
+        first = max(self._segment_end(seq, start, num_new) - window, start) - start
         return first if first < num_new else None
 
     def after_step(self, row: SeqStepStats) -> None:
         if not self.evicts(row.seq):
             return
-        if row.key_norms is not None:
-            n = row.seq.num_computed_tokens
-            self.policy(row.seq).observe_key_norms(np.arange(n - row.num_new, n), row.key_norms)
+        if row.key_statistic is not None:
+            self.policy(row.seq).observe_key_statistic(row.view_ids, row.key_statistic)
         evict = self._run_policy(row)
         if len(evict) == 0:
             return
@@ -130,21 +154,24 @@ class EvictionDriver:
         seq, policy = r.seq, self.policy(r.seq)
         n = seq.num_computed_tokens
         start = n - r.num_new
-        if start >= seq.prefill_end:
-            return policy.on_decode(r.view_ids, r.scores, n)
-        if seq.num_preemptions:                                   # re-prefill: evict as it goes
-            if seq.policy_ran:
-                return policy.on_decode(r.view_ids, r.scores, n)
-            seq.policy_ran = True
-            return policy.on_prefill(r.view_ids, r.scores, n)
-        if seq.prefill_colsum is not None and r.scores is not None and \
-                self._first_scored(seq, start, r.num_new) is not None:
-            seq.prefill_colsum[r.view_ids] += r.scores
-        if n < seq.prefill_end:
-            return np.empty(0, np.int64)                          # defer to the prompt's end
-        colsum = None if seq.prefill_colsum is None else seq.prefill_colsum[r.view_ids]
-        seq.prefill_colsum = None
-        return policy.on_prefill(r.view_ids, colsum, n)
+        if start >= seq.prefill_end:   # scores may be there for another request's policy
+            return policy.on_decode(r.view_ids,
+                                    r.scores if policy.needs_decode_stats else None, n)
+        scored = self._first_scored(seq, start, r.num_new) is not None
+        scores = r.scores if scored else None          # (a decode row may bring unasked mass)
+        if seq.prefill_colsum is not None:             # a segment's chunks are scored together
+            if scores is not None:
+                seq.prefill_colsum[r.view_ids] += scores
+            scores = seq.prefill_colsum[r.view_ids]   # a copy
+        if n < self._segment_end(seq, start, r.num_new):
+            return np.empty(0, np.int64)                          # defer to the segment's end
+        if seq.prefill_colsum is not None:
+            seq.prefill_colsum = None if n >= seq.prefill_end else \
+                np.zeros_like(seq.prefill_colsum)
+        if seq.policy_ran:                             # a later segment of a streamed prompt
+            return policy.on_decode(r.view_ids, scores, n)
+        seq.policy_ran = True
+        return policy.on_prefill(r.view_ids, scores, n)
 
     def free_dead_blocks(self, seq: Sequence) -> None:
         tt = self.bm.token_table

@@ -60,12 +60,19 @@ class KVManager:
         seq.clean_tokens = None
         self.eviction.on_admit(seq)
 
-    def recompute_chunk(self, seq: Sequence) -> Optional[int]:
-        """Most tokens one chunk of an evicting re-prefill may take, so that evicting after each
-        chunk keeps a request that outgrew the pool within it (None: no bound)."""
-        if not (seq.num_preemptions and self.eviction.evicts(seq)):
+    def evicting_chunk(self, seq: Sequence) -> Optional[int]:
+        """Most tokens the next prefill chunk may take when the request evicts as it goes (None:
+        no bound): up to the next multiple of its --kv-prefill-chunk, and in a re-prefill after
+        preemption at most a quarter of the pool, so that a request that outgrew the pool stays
+        within it."""
+        if not self.eviction.streams(seq):
             return None
-        return max(self.block_size, self.num_blocks // 4 * self.block_size)
+        chunk = self.eviction.config_of(seq).prefill_chunk
+        bound = None if chunk is None else chunk - seq.num_computed_tokens % chunk
+        if seq.num_preemptions:
+            quarter = max(self.block_size, self.num_blocks // 4 * self.block_size)
+            bound = quarter if bound is None else min(bound, quarter)
+        return bound
 
     # ---- scheduler: running -------------------------------------------------------------------
     def _holes(self, seq: Sequence, n: int):

@@ -14,14 +14,15 @@ from vllm.sequence import Sequence
 @dataclass
 class ScoreRequest:
     decode: bool = False                  # attention mass of each decode query over its view
-    key_norms: bool = False               # ||k|| of every token written this step
+    # seq_id -> key statistic ("norm" | "similarity") to compute over its view after the step
+    key_statistic: Dict[str, str] = field(default_factory=dict)
     # seq_id -> index (within the step's chunk) of the first prompt query whose attention counts
     # towards the column sums; sequences not listed need none this step.
     prefill_from: Dict[str, int] = field(default_factory=dict)
 
     @property
     def any(self) -> bool:
-        return self.decode or bool(self.prefill_from) or self.key_norms
+        return self.decode or bool(self.prefill_from) or bool(self.key_statistic)
 
 
 @dataclass
@@ -32,7 +33,7 @@ class SeqStepStats:
     view_ids: np.ndarray                 # logical ids of the attention view, aligned with scores
     scores: Optional[np.ndarray] = None  # float32 attention mass per view id, summed over layers
                                          # and heads (and the chunk's scoring queries); None: not collected
-    key_norms: Optional[np.ndarray] = None  # ||k|| of the num_new tokens written this step
+    key_statistic: Optional[np.ndarray] = None  # per view id, when asked (ScoreRequest)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from vllm.config import EVICTION_POLICIES, RECLAMATION_MODES, KVEvictionConfig
 _KV_FIELDS = {  # EngineArgs field -> KVEvictionConfig field
     "kv_eviction_policy": "policy", "kv_eviction_ratio": "eviction_ratio",
     "kv_budget_tokens": "budget_tokens", "kv_min_tokens": "min_tokens",
+    "kv_prefill_chunk": "prefill_chunk",
     "kv_sink_tokens": "sink_tokens",
     "kv_recent_fraction": "recent_fraction", "kv_reclamation": "reclamation",
     "kv_frag_threshold": "frag_threshold", "kv_check_invariants": "check_invariants",
@@ -37,6 +38,7 @@ class EngineArgs:
     kv_eviction_ratio: float = 0.5
     kv_budget_tokens: Optional[int] = None
     kv_min_tokens: int = 512               # short chats are never evicted from
+    kv_prefill_chunk: Optional[int] = None
     kv_sink_tokens: Optional[int] = None
     kv_recent_fraction: float = 0.5
     kv_reclamation: str = "vtoken"
@@ -77,6 +79,10 @@ class EngineArgs:
         add("--kv-min-tokens", type=int, default=512,
             help="floor under every budget: a request never holds fewer live tokens because of "
                  "eviction (short contexts are left alone); 0 reproduces the paper's setups")
+        add("--kv-prefill-chunk", type=int, default=None,
+            help="evict while a long prompt streams in: run the policy after every N prompt "
+                 "tokens, so a prompt never holds more than budget + N (default: once, at the "
+                 "prompt's end)")
         add("--kv-sink-tokens", type=int, default=None)
         add("--kv-recent-fraction", type=float, default=0.5)
         add("--kv-reclamation", type=str, default="vtoken", choices=list(RECLAMATION_MODES),

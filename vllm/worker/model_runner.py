@@ -32,6 +32,7 @@ class StepRow:
     num_new: int
     start: int                 # first index of this sequence's tokens in the flat batch
     view_ids: np.ndarray       # logical ids of its attention view (aligned with the statistics)
+    view_slots: np.ndarray     # their slots
     stats_row: int             # row in decode_mass (decodes) or index into prefill_colsum
     is_decode: bool
 
@@ -96,7 +97,7 @@ class ModelRunner:
                     span.colsum, span.colsum_from = torch.zeros(len(view_ids)), first
                 prefill_spans.append(span)
             stats_row = i if is_decode else len(prefill_spans) - 1
-            rows.append(StepRow(seq, n, start, view_ids, stats_row, is_decode))
+            rows.append(StepRow(seq, n, start, view_ids, view_slots, stats_row, is_decode))
             start += n
         self.buffers.update(np.fromiter((t for r in ids for t in r), np.int64, start),
                             np.concatenate(pos), np.concatenate(slots), views)
@@ -127,18 +128,25 @@ class ModelRunner:
     def step_stats(self, inp: ModelInput) -> StepStats:
         """The step's attention statistics per sequence, as numpy arrays by view position."""
         meta, rows = inp.meta, []
-        norms = self._key_norms(meta.slot_mapping) if inp.scores.key_norms else None
         for r in inp.rows:
             scores = None
             if r.is_decode and meta.decode_mass is not None:
                 scores = meta.decode_mass[r.stats_row, :len(r.view_ids)].numpy()
             elif not r.is_decode and meta.prefills[r.stats_row].colsum is not None:
                 scores = meta.prefills[r.stats_row].colsum.numpy()
-            rows.append(SeqStepStats(r.seq, r.num_new, r.is_decode, r.view_ids, scores,
-                                     None if norms is None else norms[r.start:r.start + r.num_new]))
+            kind = inp.scores.key_statistic.get(r.seq.seq_id)
+            keys = None if kind is None else self._key_statistic(r.view_slots, kind)
+            rows.append(SeqStepStats(r.seq, r.num_new, r.is_decode, r.view_ids, scores, keys))
         return StepStats(rows)
 
-    def _key_norms(self, slots: torch.Tensor) -> np.ndarray:
-        """||k|| of the keys just written at `slots`, averaged over layers and KV heads."""
-        keys = self.kv_caches[:, slots, 0].float()              # [layers, T, KVH, D]
-        return keys.norm(dim=-1).mean(dim=(0, 2)).numpy()
+    def _key_statistic(self, view_slots: np.ndarray, kind: str) -> np.ndarray:
+        """Per view token, mean over layers and KV heads: "norm" ||k||, or "similarity"
+        cos(k, anchor) with the anchor the mean of the view's unit keys (KeyDiff)."""
+        keys = self.kv_caches[:, torch.from_numpy(view_slots.astype(np.int64)), 0].float()
+        norms = keys.norm(dim=-1, keepdim=True)                      # [layers, n, KVH, 1]
+        if kind == "norm":
+            return norms.mean(dim=(0, 2)).flatten().numpy()
+        unit = keys / norms.clamp_min(1e-12)
+        anchor = unit.mean(dim=1, keepdim=True)
+        anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return (unit * anchor).sum(dim=-1).mean(dim=(0, 2)).numpy()

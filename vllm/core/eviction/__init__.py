@@ -4,6 +4,7 @@ from typing import Optional
 from vllm.config import KVEvictionConfig
 from vllm.core.eviction.base import EvictionPolicy, token_budget
 from vllm.core.eviction.h2o import H2OPolicy
+from vllm.core.eviction.keydiff import KeyDiffPolicy
 from vllm.core.eviction.knorm import KNormPolicy
 from vllm.core.eviction.random_policy import RandomPolicy
 from vllm.core.eviction.scissorhands import ScissorhandsPolicy
@@ -20,6 +21,7 @@ POLICY_CLASSES = {
     "tova": TOVAPolicy,
     "snapkv": SnapKVPolicy,
     "knorm": KNormPolicy,
+    "keydiff": KeyDiffPolicy,
 }
 
 
@@ -31,5 +33,5 @@ def make_policy(config: KVEvictionConfig, request_id: str,
     return POLICY_CLASSES[config.policy](config, request_id, num_layer_heads)
 
 
-__all__ = ["EvictionPolicy", "H2OPolicy", "KNormPolicy", "RandomPolicy", "ScissorhandsPolicy", "SnapKVPolicy",
+__all__ = ["EvictionPolicy", "H2OPolicy", "KeyDiffPolicy", "KNormPolicy", "RandomPolicy", "ScissorhandsPolicy", "SnapKVPolicy",
            "StreamingLLMPolicy", "TOVAPolicy", "POLICY_CLASSES", "make_policy", "token_budget"]

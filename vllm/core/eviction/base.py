@@ -47,7 +47,9 @@ class EvictionPolicy:
     # Finer, optional hints for the engine (an engine may ignore them and always pass both):
     needs_prefill_stats: bool = True     # on_prefill reads colsum
     needs_decode_stats: bool = True      # on_decode reads attn_mass
-    needs_key_norms: bool = False        # observe_key_norms gets each new token's key norm
+    # "norm" | "similarity": observe_key_statistic gets that statistic of every view token's key
+    # (mean over layers and KV heads) on steps where the request is over budget
+    key_statistic: Optional[str] = None
 
     def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int):
         assert num_layer_heads >= 1, num_layer_heads
@@ -58,8 +60,8 @@ class EvictionPolicy:
         # Optional hint: colsum needs only the last q prompt queries (None: every prompt query).
         self.prefill_query_window: Optional[int] = None
 
-    def observe_key_norms(self, ids: np.ndarray, norms: np.ndarray) -> None:
-        """||k|| (mean over layers and KV heads) of tokens `ids`, as their K/V is written."""
+    def observe_key_statistic(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """`key_statistic` of the view tokens `ids`, just before on_prefill / on_decode runs."""
 
     @property
     def recent_minimum(self) -> int:

@@ -20,7 +20,9 @@ class SnapKVPolicy(EvictionPolicy):
     """votes(j) = attention of the last w prompt queries on j (colsum; `prefill_query_window = w`
     asks the engine to sum only those queries). Keep the sinks, the w newest tokens (the window)
     and the top `budget - w` earlier tokens by max-pooled votes; pooled ties fall to the unpooled
-    vote, then to age. Nothing is evicted during decode, so |K| grows by one per generated token."""
+    vote, then to age. Nothing is evicted during single-token decode, so |K| grows by one per
+    generated token; a prompt that streams in (--kv-prefill-chunk, re-prefill) is compressed after
+    every chunk by the votes of that chunk's last w queries."""
     needs_decode_stats = False
 
     def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int):
@@ -46,4 +48,6 @@ class SnapKVPolicy(EvictionPolicy):
 
     def on_decode(self, live_ids: np.ndarray, attn_mass: Optional[np.ndarray],
                   seq_len: int) -> np.ndarray:
-        return no_eviction()
+        if attn_mass is None:        # a single-token decode step: no votes asked for
+            return no_eviction()
+        return self.on_prefill(live_ids, attn_mass, seq_len)

@@ -113,6 +113,7 @@ class SamplingRequest(RequestModel):
     kv_eviction_ratio: Optional[float] = None
     kv_budget_tokens: Optional[int] = None
     kv_min_tokens: Optional[int] = None
+    kv_prefill_chunk: Optional[int] = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -151,7 +151,7 @@ class OpenAIServing:
     @staticmethod
     def kv_eviction(req: SamplingRequest) -> Optional[KVEvictionParams]:
         fields = (req.kv_eviction_policy, req.kv_eviction_ratio, req.kv_budget_tokens,
-                  req.kv_min_tokens)
+                  req.kv_min_tokens, req.kv_prefill_chunk)
         if all(f is None for f in fields):
             return None
         try:
