@@ -6,12 +6,22 @@ clients that each send streaming /v1/completions requests back to back (our own 
 over HTTP). SLA = 1.05 x Naive-Evict's p95 request latency at the reference concurrency; C_sel
 is a variant's highest-throughput point whose p95 meets the SLA.
 
+Peer mode (--llamacpp DIR): our server (default model, no eviction) and llama.cpp's
+`llama-server` on an F32 GGUF of the same model run side by side; for each client level C (default
+1, 8, 32) both get the same closed-loop waves from the peer scripts' load_client.py: C concurrent
+requests of --prompt-len token ids, --output-len new tokens each (greedy, EOS ignored), all awaited,
+repeated --waves times; aggregate tok/s = generated tokens / wave time, median over waves. The
+servers are measured one at a time, in alternating order per level, with the other one idle.
+
     python benchmarks/benchmark_serving.py --quick
     python benchmarks/benchmark_serving.py --url http://127.0.0.1:8000   # scan a running server
+    python benchmarks/benchmark_serving.py --threads 2 --llamacpp DIR   # vs llama-server
 """
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -86,22 +96,32 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                "--port", str(self.port), "--uvicorn-log-level", "warning", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=common.die_with_parent)
+
+    def ready(self, httpx) -> bool:
+        if httpx.get(f"{self.url}/health", timeout=2).status_code != 200:
+            return False
+        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+        return True
 
     def __enter__(self):
         import httpx
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server did not come up; see {self.log.name}")
+        try:
+            deadline = time.time() + 600
+            while time.time() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited; see {self.log.name}")
+                try:
+                    if self.ready(httpx):
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+            raise TimeoutError(f"server did not come up; see {self.log.name}")
+        except BaseException:
+            self.__exit__()                         # no half-started server is left behind
+            raise
 
     def __exit__(self, *exc):
         self.proc.terminate()
@@ -110,6 +130,137 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class LlamaServer(Server):
+    """llama.cpp's llama-server in a child process: -np slots of per_slot context each."""
+
+    def __init__(self, llamacpp_dir, gguf, threads, slots, per_slot):
+        self.binary = common.llamacpp_binary(llamacpp_dir, "llama-server")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log",
+                                               delete=False)
+        self.cmd = [self.binary, "-m", gguf, "-t", str(threads), "-c", str(slots * per_slot),
+                    "-np", str(slots), "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     preexec_fn=common.die_with_parent)
+
+    def ready(self, httpx) -> bool:                 # /health answers 503 while loading
+        self.model = "llama-server"
+        return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+
+
+def idle_cpu(pid: int, seconds: float = 2.0) -> float:
+    """Fraction of one core a process uses over `seconds` (to check an idle server is idle)."""
+    def ticks():
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])        # utime + stime
+    try:
+        t0 = ticks()
+        time.sleep(seconds)
+        return (ticks() - t0) / os.sysconf("SC_CLK_TCK") / seconds
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def load_waves(kind, port, conc, waves, prompts_file, new, peer_scripts):
+    """load_client.py (the peer scripts' stdlib client) against one server -> its JSON result."""
+    script = os.path.join(peer_scripts, "load_client.py")
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, script, kind, str(port), str(conc), str(waves),
+                        "--prompts", prompts_file, "--new", str(new), "--out", out.name],
+                       check=True, stdout=subprocess.DEVNULL, timeout=3600,
+                       preexec_fn=common.die_with_parent)
+        return json.load(open(out.name))
+
+
+def peer_main(args):
+    """Ours vs llama-server, same closed-loop waves, ratio per client level."""
+    import statistics
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # run the servers' __exit__
+    levels = args.levels or ([1, 8] if args.quick else [1, 8, 32])
+    waves = args.waves or (2 if args.quick else 3)
+    plen, olen = args.prompt_len, args.output_len
+    script = os.path.join(args.peer_scripts, "load_client.py")
+    if not os.path.exists(script):
+        raise FileNotFoundError(f"{script} not found (set --peer-scripts)")
+    gguf = common.default_model_f32_gguf(args.llamacpp, args.peer_scripts)
+    version = common.llamacpp_version(common.llamacpp_binary(args.llamacpp, "llama-server"))
+    build = common.llamacpp_build(args.llamacpp)
+    tok = common.tokenizer_for(None)
+    prompts = common.fixed_length_prompts(tok, max(levels), plen, args.seed)
+    slots = max(levels)
+    per_slot = max(512, -(-(plen + olen + 16) // 256) * 256)
+    ours_flags = ["--max-num-seqs", str(slots), "--kv-eviction-policy", "none",
+                  "--no-enable-prefix-caching"]
+    info = common.cpu_info()
+    print(f"{common.machine()}\nllama.cpp {version}", flush=True)
+    with contextlib.ExitStack() as stack:
+        pfile = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".json"))
+        json.dump(prompts, pfile)
+        pfile.flush()
+        print("  starting our server and llama-server", flush=True)
+        ours = Server(ours_flags, args.threads)
+        stack.callback(ours.__exit__)               # stopped on exit, error or SIGTERM
+        peer = LlamaServer(args.llamacpp, gguf, args.threads, slots, per_slot)
+        stack.callback(peer.__exit__)
+        ours.__enter__()
+        peer.__enter__()
+        servers = {"ours": ("oai", ours), "llamacpp": ("llamacpp", peer)}
+        for kind, srv in servers.values():          # warm-up: one short request each
+            load_waves(kind, srv.port, 1, 1, pfile.name, 8, args.peer_scripts)
+        idle = {name: idle_cpu(srv.proc.pid) for name, (_, srv) in servers.items()}
+        print(f"  idle CPU (cores): ours {idle['ours']:.2f}, llama-server {idle['llamacpp']:.2f}",
+              flush=True)
+        rows = []
+        for i, c in enumerate(levels):
+            order = ["ours", "llamacpp"] if i % 2 == 0 else ["llamacpp", "ours"]
+            res = {}
+            for name in order:
+                kind, srv = servers[name]
+                res[name] = load_waves(kind, srv.port, c, waves, pfile.name, olen,
+                                       args.peer_scripts)
+                print(f"    C={c} {name}: {res[name]['agg_tok_s_median']:.1f} tok/s", flush=True)
+            row = {"C": c, "waves": waves}
+            for name in ("ours", "llamacpp"):
+                row[f"{name}_tok_s"] = res[name]["agg_tok_s_median"]
+                row[f"{name}_lat_s"] = statistics.median(
+                    w["lat_median_s"] for w in res[name]["waves"])
+                row[f"{name}_waves"] = res[name]["waves"]
+            row["ratio"] = row["ours_tok_s"] / row["llamacpp_tok_s"]
+            rows.append(row)
+        with open(peer.log.name, errors="replace") as f:   # own offset: the server writes on
+            system_info = common.llamacpp_system_info(f.read())
+    title = (f"Serving vs llama-server: closed-loop waves of C clients, {plen}-token prompts + "
+             f"{olen} new tokens, aggregate generated tok/s (median of {waves} waves), "
+             f"ratio = ours / llama-server; default model, fp32 (llama.cpp: F32 GGUF), "
+             f"{args.threads} threads each\nCPU: {info['cores']}-core {info['cpu']}, "
+             f"ISA of our C kernels {info['isa']}; llama.cpp {build}"
+             + (f"; llama.cpp system_info: {system_info}" if system_info else ""))
+    text = common.table(rows, ["C", "ours_tok_s", "llamacpp_tok_s", "ratio", "ours_lat_s",
+                               "llamacpp_lat_s"], title)
+    pyplot = common.plt()
+    fig, ax = pyplot.subplots(figsize=(5, 3.2))
+    x = list(range(len(rows)))
+    ax.bar([i - 0.2 for i in x], [r["ours_tok_s"] for r in rows], 0.4, label="vllm (this fork)")
+    ax.bar([i + 0.2 for i in x], [r["llamacpp_tok_s"] for r in rows], 0.4, label="llama-server")
+    for i, r in zip(x, rows):
+        ax.annotate(f"{r['ratio']:.2f}x", (i, max(r["ours_tok_s"], r["llamacpp_tok_s"])),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [f"C={r['C']}" for r in rows])
+    ax.set_ylabel("aggregate generated tokens/s")
+    ax.set_title(f"Closed-loop waves, {plen} + {olen} tokens, {args.threads} threads; "
+                 f"{info['isa']}", fontsize=8)
+    ax.set_ylim(0, 1.3 * max(max(r["ours_tok_s"], r["llamacpp_tok_s"]) for r in rows))
+    ax.legend(fontsize=8, loc="upper left")
+    common.save("benchmark_serving_llamacpp", {
+        "args": vars(args), "model": "SmolLM2-135M-Instruct (default)", "rows": rows,
+        "table": text, "idle_cpu_cores": idle, "ours_flags": ours_flags,
+        "llamacpp": {"version": version, "gguf": gguf, "command": peer.cmd,
+                     "build": build, "system_info": system_info},
+        "client": "load_client.py (closed-loop waves)"}, fig)
 
 
 def scan(url, model, work, levels, per_client, log):
@@ -130,8 +281,18 @@ def main():
     p.add_argument("--levels", type=int, nargs="+", default=None)
     p.add_argument("--c-ref", type=int, default=None)
     p.add_argument("--per-client", type=int, default=2, help="requests per client per level")
+    common.add_llamacpp_args(p, "llama-server, peer mode: --levels, --waves, --prompt-len, "
+                                "--output-len apply; the variant scan does not run")
+    p.add_argument("--waves", type=int, default=None,
+                   help="peer mode: waves per level (default 3, --quick 2)")
+    p.add_argument("--prompt-len", type=int, default=128, help="peer mode prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="peer mode new tokens")
     args = p.parse_args()
+    if args.llamacpp and (args.url or args.model not in (None, "", "default")):
+        p.error("--llamacpp starts both servers on the default model; drop --url / --model")
     common.setup(args)
+    if args.llamacpp:
+        return peer_main(args)
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)
     levels = args.levels or ([2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16])

@@ -5,9 +5,16 @@ from ShareGPT, so no padding is needed), in one process, one after the other per
 the engine, the same engine on its torch path (C kernels off, as VLLM_KERNEL_BACKEND=torch),
 and transformers.
 
+With --llamacpp DIR, llama.cpp's `llama-batched-bench` then runs the same prompt length, output
+length, batch sizes and thread count on an F32 GGUF of the default model (the same dequantized
+weights the engine uses). Its comparable figure is generated tokens / total time including
+prefill, B * output_len / T; its decode-only S_TG is shown beside it.
+
     python benchmarks/benchmark_throughput.py            # batch 1, 16, 32
     python benchmarks/benchmark_throughput.py --quick    # batch 1, 16
+    python benchmarks/benchmark_throughput.py --threads 2 --batch-sizes 1 8 16 32 --llamacpp DIR
 """
+import subprocess
 import time
 
 import torch
@@ -15,14 +22,63 @@ import torch
 import common
 
 
-def prompts(tokenizer, n: int, length: int, seed: int):
-    try:
-        pool = common.sharegpt(4 * n, tokenizer, 10 ** 6, 1, seed=seed, min_prompt=length)
-    except FileNotFoundError:
-        pool = []
-    if len(pool) < n:
-        pool = common.synthetic(n, length, 1, tokenizer.vocab_size, seed, sigma=1e-9)
-    return [p[:length] for p, _ in pool][:n]
+prompts = common.fixed_length_prompts
+
+# llama-batched-bench's markdown table: header name -> our key
+BATCHED_BENCH_COLUMNS = {"PP": "pp", "TG": "tg", "B": "b", "N_KV": "n_kv", "T_PP s": "t_pp_s",
+                         "S_PP t/s": "s_pp", "T_TG s": "t_tg_s", "S_TG t/s": "s_tg",
+                         "T s": "t_s", "S t/s": "s"}
+
+
+def parse_batched_bench(text: str):
+    """(rows, settings) from llama-batched-bench's output: one dict per table row with the keys
+    of BATCHED_BENCH_COLUMNS, and the '...: n_kv_max = ..., n_threads = ...' line as a dict."""
+    settings, rows, header = {}, [], None
+    for line in text.splitlines():
+        line = line.strip()
+        _, _, rest = line.partition(": ")
+        if rest.startswith("n_kv_max ="):            # 'main: ' or 'llama_batched_bench: '
+            for item in rest.split(","):
+                key, _, value = item.partition("=")
+                if value:
+                    settings[key.strip()] = value.strip()
+            continue
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if "S_TG t/s" in cells and "PP" in cells:
+            header = cells
+        elif header and len(cells) == len(header) and not set("".join(cells)) <= set("-: "):
+            row = {}
+            for name, cell in zip(header, cells):
+                if name in BATCHED_BENCH_COLUMNS:
+                    num = float(cell)
+                    row[BATCHED_BENCH_COLUMNS[name]] = int(num) if num.is_integer() and \
+                        name in ("PP", "TG", "B", "N_KV") else num
+            rows.append(row)
+    return rows, settings
+
+
+def run_llamacpp(llamacpp_dir: str, gguf: str, batches, prompt_len: int, output_len: int,
+                 threads: int):
+    """llama-batched-bench with the engine rows' settings -> {batch: row}, command, settings."""
+    binary = common.llamacpp_binary(llamacpp_dir, "llama-batched-bench")
+    ctx = max(12000, max(batches) * (prompt_len + output_len) + 256)
+    cmd = [binary, "-m", gguf, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp",
+           str(prompt_len), "-ntg", str(output_len), "-npl", ",".join(map(str, batches)),
+           "-t", str(threads)]
+    print("llama.cpp:", " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    out = r.stdout + "\n" + r.stderr
+    rows, settings = parse_batched_bench(out)
+    if r.returncode != 0 or not rows:
+        raise RuntimeError(f"llama-batched-bench failed (rc {r.returncode}):\n{out[-3000:]}")
+    settings["system_info"] = common.llamacpp_system_info(out)
+    by_batch = {row["b"]: row for row in rows}
+    missing = [b for b in batches if b not in by_batch]
+    if missing:
+        raise RuntimeError(f"llama-batched-bench gave no row for batch {missing}:\n{out[-3000:]}")
+    return by_batch, cmd, settings
 
 
 def hf_generate(model, batch, output_len: int) -> float:
@@ -40,7 +96,10 @@ def main():
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    common.add_llamacpp_args(p, "llama-batched-bench, after the engine and transformers rows")
     args = p.parse_args()
+    if args.llamacpp and args.model not in (None, "", "default"):
+        p.error("--llamacpp compares on the default model only (its F32 GGUF); drop --model")
     common.setup(args)
     import transformers
     from vllm import LLM, cpu_kernel_plan
@@ -49,6 +108,13 @@ def main():
     batches = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 32])
     model_dir = resolve_model(args.model)
     print(common.machine())
+    peer = {}
+    if args.llamacpp:                       # fail early: binary and F32 GGUF before the long runs
+        binary = common.llamacpp_binary(args.llamacpp, "llama-batched-bench")
+        peer = {"gguf": common.default_model_f32_gguf(args.llamacpp, args.peer_scripts),
+                "version": common.llamacpp_version(binary),
+                "build": common.llamacpp_build(args.llamacpp)}
+        print(f"llama.cpp {peer['version']}")
     llm = LLM(model_dir, max_num_seqs=max(batches))
     plan = cpu_kernel_plan.decisions()              # the paths the engine's model chose
     if plan:
@@ -75,23 +141,56 @@ def main():
                      "hf_tok_s": new / t_hf, "ratio": t_hf / t_engine,
                      "c_vs_torch_path": t_torch / t_engine, "engine_s": t_engine,
                      "torch_path_s": t_torch, "hf_s": t_hf})
+    cols = ["batch", "engine_tok_s", "torch_path_tok_s", "hf_tok_s", "ratio", "c_vs_torch_path"]
+    if args.llamacpp:
+        del llm, llm_torch, hf                      # nothing of ours stays busy or resident
+        by_batch, peer["command"], peer["settings"] = run_llamacpp(
+            args.llamacpp, peer["gguf"], batches, args.prompt_len, args.output_len, args.threads)
+        for r in rows:
+            lc = by_batch[r["batch"]]
+            r["llamacpp_tok_s"] = r["batch"] * lc["tg"] / lc["t_s"]     # incl. prefill, like ours
+            r["llamacpp_decode_tok_s"] = lc["s_tg"]
+            r["vs_llamacpp"] = r["engine_tok_s"] / r["llamacpp_tok_s"]
+            r["llamacpp_s"] = lc["t_s"]
+            r["llamacpp_raw"] = lc
+        cols += ["llamacpp_tok_s", "llamacpp_decode_tok_s", "vs_llamacpp"]
     title = (f"Offline generation, {args.prompt_len}-token prompts + {args.output_len} new tokens, "
              f"output tokens/s ({common.machine()})")
-    text = common.table(rows, ["batch", "engine_tok_s", "torch_path_tok_s", "hf_tok_s", "ratio",
-                               "c_vs_torch_path"], title)
+    if args.llamacpp:
+        title += (f"\nllama.cpp ({peer['build']}): llama-batched-bench, F32 GGUF, "
+                  f"{args.threads} threads; "
+                  f"llamacpp_tok_s = B*{args.output_len}/T incl. prefill, decode = S_TG; "
+                  f"vs_llamacpp = engine_tok_s / llamacpp_tok_s")
+    text = common.table(rows, cols, title)
     pyplot = common.plt()
-    fig, ax = pyplot.subplots(figsize=(5, 3.2))
-    x = range(len(rows))
-    ax.bar([i - 0.27 for i in x], [r["engine_tok_s"] for r in rows], 0.27, label="vllm (this fork)")
-    ax.bar(list(x), [r["torch_path_tok_s"] for r in rows], 0.27, label="vllm, torch path")
-    ax.bar([i + 0.27 for i in x], [r["hf_tok_s"] for r in rows], 0.27, label="transformers generate")
-    ax.set_xticks(list(x), [f"batch {r['batch']}" for r in rows])
+    fig, ax = pyplot.subplots(figsize=(5.6 if args.llamacpp else 5, 3.2))
+    x = list(range(len(rows)))
+    series = [("engine_tok_s", "vllm (this fork)"), ("torch_path_tok_s", "vllm, torch path"),
+              ("hf_tok_s", "transformers generate")]
+    if args.llamacpp:
+        series.append(("llamacpp_tok_s", "llama.cpp (incl. prefill)"))
+    width = 0.8 / len(series)
+    for k, (key, label) in enumerate(series):
+        off = (k - (len(series) - 1) / 2) * width
+        ax.bar([i + off for i in x], [r[key] for r in rows], width, label=label)
+    top = max(r[key] for r in rows for key, _ in series)
+    if args.llamacpp:
+        off = (len(series) - 1) / 2 * width
+        ax.plot([i + off for i in x], [r["llamacpp_decode_tok_s"] for r in rows], "k_", ms=12,
+                mew=2, ls="none", label="llama.cpp decode-only (S_TG)")
+        top = max(top, *(r["llamacpp_decode_tok_s"] for r in rows))
+        handles, labels = ax.get_legend_handles_labels()        # the marker after the bars
+        ax.legend(handles[1:] + handles[:1], labels[1:] + labels[:1], fontsize=7,
+                  loc="upper left")
+    ax.set_xticks(x, [f"batch {r['batch']}" for r in rows])
     ax.set_ylabel("output tokens/s")
-    ax.set_title("Offline throughput, default model, fp32, 2-core CPU", fontsize=9)
-    ax.set_ylim(0, 1.45 * max(r["engine_tok_s"] for r in rows))     # room for the legend
-    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(f"Offline throughput, default model, fp32, {common.cpu_info()['cores']}-core CPU",
+                 fontsize=9)
+    ax.set_ylim(0, 1.45 * top)                      # room for the legend
+    if not args.llamacpp:
+        ax.legend(fontsize=8, loc="upper left")
     common.save("benchmark_throughput", {"args": vars(args), "rows": rows, "table": text,
-                                         "kernel_plan": plan}, fig)
+                                         "kernel_plan": plan, "llamacpp": peer or None}, fig)
 
 
 if __name__ == "__main__":

@@ -367,3 +367,119 @@ def measure(llm, work: Workload) -> Dict:
             "step_ms_median": 1e3 * float(np.median(steps)),
             "step_ms_p95": 1e3 * float(np.percentile(steps, 95)), "decode_steps": len(steps),
             "pool_blocks_mean": float(np.mean(used)), "pool_blocks_peak": int(np.max(used))}
+
+
+def fixed_length_prompts(tokenizer, n: int, length: int, seed: int) -> List[List[int]]:
+    """n prompts of exactly `length` token ids: ShareGPT first turns cut to length, or seeded
+    random ids when the dataset is not installed."""
+    try:
+        pool = sharegpt(4 * n, tokenizer, 10 ** 6, 1, seed=seed, min_prompt=length)
+    except FileNotFoundError:
+        pool = []
+    if len(pool) < n:
+        pool = synthetic(n, length, 1, tokenizer.vocab_size, seed, sigma=1e-9)
+    return [p[:length] for p, _ in pool][:n]
+
+
+# ---- llama.cpp peer ---------------------------------------------------------------------------
+# The peer scripts (/work/shared/peer, see its README): dequant_gguf.py writes an F32 GGUF with the
+# exact dequantized values the engine loads; load_client.py drives a server with closed-loop waves.
+PEER_SCRIPTS = os.environ.get("VLLM_PEER_SCRIPTS", "/work/shared/peer")
+F32_GGUF_NAME = "smollm2-135m-f32.gguf"
+
+
+def add_llamacpp_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--llamacpp", metavar="DIR", default=None,
+                   help=f"also run llama.cpp from DIR/bin ({what}) on an F32 GGUF of the default "
+                        f"model (made once as DIR/{F32_GGUF_NAME}); build it with "
+                        f"{PEER_SCRIPTS}/build_llamacpp.sh DIR")
+    p.add_argument("--peer-scripts", metavar="DIR", default=PEER_SCRIPTS,
+                   help="folder with dequant_gguf.py and load_client.py "
+                        "(default: $VLLM_PEER_SCRIPTS or %(default)s)")
+
+
+def llamacpp_binary(llamacpp_dir: str, name: str) -> str:
+    path = os.path.join(llamacpp_dir, "bin", name)
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"{path} not found; build it with "
+                                f"bash {PEER_SCRIPTS}/build_llamacpp.sh {llamacpp_dir}")
+    return path
+
+
+def llamacpp_version(binary: str) -> str:
+    """`binary --version` (llama.cpp prints 'version: N (commit)' and the compiler)."""
+    import subprocess
+    try:
+        r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    lines = [ln.strip() for ln in (r.stdout + r.stderr).splitlines()
+             if ln.startswith(("version", "built with"))]
+    return "; ".join(lines) or "unknown"
+
+
+def llamacpp_system_info(log: str) -> str:
+    """llama.cpp's 'system_info: ...' log line (threads and the ISA features it was built for)."""
+    return next((ln.split("system_info:", 1)[1].strip() for ln in log.splitlines()
+                 if "system_info:" in ln), "")
+
+
+def llamacpp_build(llamacpp_dir: str) -> str:
+    """How DIR was configured, from its CMakeCache.txt: build type, GGML_NATIVE (-march=native,
+    what build_llamacpp.sh uses), BLAS, and any ISA switch turned on explicitly."""
+    keys = ("CMAKE_BUILD_TYPE", "GGML_NATIVE", "GGML_BLAS")
+    found = {}
+    try:
+        with open(os.path.join(llamacpp_dir, "CMakeCache.txt")) as f:
+            for line in f:
+                name, sep, value = line.strip().partition("=")
+                name = name.split(":")[0]
+                if sep and (name in keys or (name.startswith(("GGML_AVX", "GGML_FMA", "GGML_F16C"))
+                                             and value == "ON")):
+                    found[name] = value
+    except OSError:
+        return "unknown (no CMakeCache.txt)"
+    return " ".join(f"{k}={found[k]}" for k in sorted(found, key=lambda k: (k not in keys, k)))
+
+
+def default_model_f32_gguf(llamacpp_dir: str, peer_scripts: str = PEER_SCRIPTS) -> str:
+    """DIR/smollm2-135m-f32.gguf: the default model's Q4_1 GGUF dequantized to F32 (the numbers
+    the engine computes with), written once and reused while newer than its source."""
+    import subprocess
+    import sys
+    from vllm.model_executor.gguf_loader import find_default_model_gguf
+    src = find_default_model_gguf()
+    dst = os.path.join(llamacpp_dir, F32_GGUF_NAME)
+    if os.path.exists(dst) and os.path.getmtime(dst) >= os.path.getmtime(src):
+        return dst
+    script = os.path.join(peer_scripts, "dequant_gguf.py")
+    if not os.path.exists(script):
+        raise FileNotFoundError(f"{script} not found (set --peer-scripts)")
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    print(f"writing {dst} (F32 of {os.path.basename(src)})", flush=True)
+    try:
+        subprocess.run([sys.executable, script, src, tmp, "f32"], check=True,
+                       stdout=subprocess.DEVNULL)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return dst
+
+
+def _load_prctl():
+    import ctypes
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()          # resolved here: a forked child should only make the call
+
+
+def die_with_parent() -> None:
+    """preexec_fn for child servers: Linux sends them SIGTERM if this process dies (even by
+    SIGKILL), so no server outlives its benchmark."""
+    if _PRCTL is not None:
+        _PRCTL(1, 15)           # PR_SET_PDEATHSIG, SIGTERM
