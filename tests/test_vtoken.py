@@ -173,6 +173,11 @@ def test_kv_stats_fields(tiny_llama, long_prompts):
         assert {"evicted_tokens", "live_tokens", "blocks_at_finish", "peak_blocks", "mean_blocks",
                 "relocated_tokens"} <= set(st)
         assert st["live_tokens"] + st["evicted_tokens"] == len(o.prompt_token_ids) + 31
+        # the prompt step held every prompt block before its evictions: that is the peak
+        assert st["peak_blocks"] == -(-len(o.prompt_token_ids) // 16)
+        blocks = st["block_tokens"] / st["computed_tokens"]
+        assert st["computed_tokens"] == len(o.prompt_token_ids) + 31
+        assert st["mean_blocks_per_token"] == blocks and blocks < st["peak_blocks"]
     stats = llm.get_kv_stats()
     for key in ("blocks_total", "blocks_used", "blocks_peak", "live_tokens", "memory_utilization",
                 "relocation_events", "relocated_tokens", "bytes_moved", "planner_time_s",

@@ -116,12 +116,13 @@ class KVManager:
     def after_step(self, stats: StepStats) -> None:
         """num_computed_tokens already counts this step's tokens. Cache their full blocks
         (before any eviction they could see), run the policies, plan relocation."""
+        self.monitor.before_policies(stats)
         for r in stats.rows:
             self.bm.cache_full_blocks(r.seq)
             self.eviction.after_step(r)
         if self.reclaimer:
             self.reclaimer.plan_step(list(self.seqs.values()))
-        self.monitor.after_step(stats, self.seqs.values())
+        self.monitor.after_step(self.seqs.values())
         if self.config.check_invariants:
             self.check_invariants()
 

@@ -13,14 +13,19 @@ class KVMonitor:
         self.util_sum = 0.0
         self.live_tokens = 0
 
-    def after_step(self, stats: StepStats, seqs: Iterable[Sequence]) -> None:
+    def before_policies(self, stats: StepStats) -> None:
+        """Blocks each request held while its step ran (before this step's evictions)."""
         for r in stats.rows:
             seq, st = r.seq, r.seq.kv_stats
             blocks = len(seq.block_ids)
             st["peak_blocks"] = max(st.get("peak_blocks", 0), blocks)
+            st["block_tokens"] = st.get("block_tokens", 0) + blocks * r.num_new
+            st["computed_tokens"] = st.get("computed_tokens", 0) + r.num_new
             if r.is_decode and seq.num_computed_tokens > seq.prefill_end:
                 st["decode_block_steps"] = st.get("decode_block_steps", 0) + blocks
                 st["decode_steps"] = st.get("decode_steps", 0) + 1
+
+    def after_step(self, seqs: Iterable[Sequence]) -> None:
         tt = self.bm.token_table
         self.live_tokens = sum(tt.num_live(s.seq_id) for s in seqs)
         used = self.bm.pool.num_used
@@ -39,6 +44,10 @@ class KVMonitor:
         steps = st.get("decode_steps", 0)
         st["mean_blocks"] = st.get("decode_block_steps", 0) / steps if steps else float(
             st["blocks_at_finish"])
+        # blocks held per computed token (prompt chunks weighted by their tokens): the footprint
+        # of a request over its whole life, streamed prompts included
+        done = st.get("computed_tokens", 0)
+        st["mean_blocks_per_token"] = st.get("block_tokens", 0) / done if done else 0.0
 
     def stats(self) -> Dict[str, float]:
         used = self.bm.pool.num_used
