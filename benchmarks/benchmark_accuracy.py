@@ -180,6 +180,33 @@ def run_passkey(model, args, tok, length: int, todo: List[Tuple[str, str]]) -> L
     return rows
 
 
+# ---- (d) short chats under the default settings ------------------------------------------------
+def run_chat(model, args, tok, policies: Sequence[str]) -> List[Dict]:
+    """Greedy answers to short chats (ShareGPT first turns + the README's question) with each
+    policy at the engine's default settings (ratio 0.5, --kv-min-tokens 512) against no eviction:
+    the floor must leave them untouched."""
+    from vllm import LLM
+    work = common.workload("sharegpt", args.chats, tok, 384, 128, args)
+    prompts = [common.encode(tok, "What is the capital of France? Answer in one sentence.")]
+    prompts += [p for p, _ in work]
+    llm = LLM(model, seed=args.seed, max_num_seqs=256)
+    params = SamplingParams(temperature=0, max_tokens=128)
+    todo = ["none"] + list(policies)
+    reqs = [{"prompt_token_ids": p} for _ in todo for p in prompts]
+    kv = [KVEvictionParams(policy=pol) for pol in todo for _ in prompts]
+    outs = llm.generate(reqs, params, kv_eviction=kv, use_tqdm=False)
+    by = {pol: outs[i * len(prompts):(i + 1) * len(prompts)] for i, pol in enumerate(todo)}
+    rows = []
+    for pol in policies:
+        same = [a.outputs[0].token_ids == b.outputs[0].token_ids
+                for a, b in zip(by[pol], by["none"])]
+        rows.append({"policy": pol, "chats": len(prompts), "identical": float(np.mean(same)),
+                     "evicted_tokens": int(sum(o.kv_stats.get("evicted_tokens", 0)
+                                               for o in by[pol]))})
+    print("capital of France, default H2O:", repr(by.get("h2o", by["none"])[0].outputs[0].text))
+    return rows
+
+
 # ---- report -------------------------------------------------------------------------------------
 def frontier_plot(rows: List[Dict], metric: str, label: str, title: str, lower_is_better: bool):
     plt = common.plt()
@@ -234,6 +261,9 @@ def main():
     p.add_argument("--chunk", type=int, default=64, help="--kv-prefill-chunk of every variant")
     p.add_argument("--step-tokens", type=int, default=2048, help="--max-num-batched-tokens")
     p.add_argument("--kv-gib", type=float, default=8, help="KV pool (large enough: no preemption)")
+    p.add_argument("--tasks", nargs="+", default=["ppl", "passkey", "chat"],
+                   choices=["ppl", "passkey", "chat"])
+    p.add_argument("--chats", type=int, default=None, help="short ShareGPT chats for (d)")
     args = p.parse_args()
     common.setup(args)
     model, label = common.model_for(args)
@@ -249,14 +279,37 @@ def main():
     print(f"# {common.machine()}\n# model: {label}; chunk {args.chunk}; budgets {budgets}, "
           f"passkey budgets {key_budgets}")
 
+    suffix = "_quick" if args.quick else ""
     t0 = time.perf_counter()
-    ppl_rows = []
+    data = {"model": label, "chunk": args.chunk, "quick": args.quick}
+    merged, key_rows = [], []
+    if "ppl" in args.tasks:
+        merged = perplexity_task(model, args, tok, todo, length, texts, label, data, suffix)
+    if "passkey" in args.tasks:
+        key_rows = passkey_task(model, args, tok, key_lengths, key_budgets, label, data, suffix)
+    if merged and key_rows:
+        data["summary"] = summary(merged, key_rows)
+        common.table(data["summary"], ["policy", "ppl<=1.05x: KV x", "passkey=Native: KV x"],
+                     "fewest KV blocks (x Native) at which each policy keeps quality")
+    if merged or key_rows:
+        common.save("accuracy" + suffix, dict(data, seconds=time.perf_counter() - t0))
+    if "chat" in args.tasks:
+        args.chats = args.chats or (8 if args.quick else 32)
+        rows = run_chat(model, args, tok, args.policies)
+        common.table(rows, ["policy", "chats", "identical", "evicted_tokens"],
+                     "(d) short chats, default settings (ratio 0.5, --kv-min-tokens 512), greedy "
+                     "answers identical to no eviction")
+        common.save("accuracy_chat" + suffix, {"model": label, "chats": rows})
+
+
+def perplexity_task(model, args, tok, todo, length, texts, label, data, suffix) -> List[Dict]:
+    t0 = time.perf_counter()
+    per_text = []
     for i, ids in enumerate(essay_windows(tok, texts, length, args.seed)):
-        for r in run_perplexity(model, args, ids, todo):
-            ppl_rows.append(dict(r, text=i))
+        per_text += [dict(r, text=i) for r in run_perplexity(model, args, ids, todo)]
     merged = []                                          # mean over texts per (policy, budget)
     for pol, bud in todo:
-        rs = [r for r in ppl_rows if r["policy"] == pol and r["budget"] == bud]
+        rs = [r for r in per_text if r["policy"] == pol and r["budget"] == bud]
         merged.append({"policy": pol, "budget": bud,
                        "ppl": float(np.exp(np.mean([np.log(r["ppl"]) for r in rs]))),
                        "kl": float(np.mean([r["kl"] for r in rs])),
@@ -264,34 +317,32 @@ def main():
     common.table(merged, ["policy", "budget", "kv_x", "ppl", "kl"],
                  f"(a) teacher-forced perplexity / KL from Native, {texts} x {length} tokens "
                  f"({time.perf_counter() - t0:.0f} s)")
+    data.update(ppl_length=length, texts=texts, budgets=[b for _, b in todo[1:]],
+                perplexity=merged, perplexity_per_text=per_text)
+    common.save("accuracy_ppl" + suffix, {"see": "accuracy" + suffix + ".json"},
+                frontier_plot(merged, "ppl", "perplexity",
+                              f"Teacher-forced perplexity, {label}, {texts} x {length} tokens",
+                              True))
+    common.save("accuracy_kl" + suffix, {"see": "accuracy" + suffix + ".json"},
+                frontier_plot(merged, "kl", "mean KL(Native || policy), nats",
+                              f"KL divergence from Native, {label}", True))
+    return merged
 
-    t1 = time.perf_counter()
-    key_rows = []
-    for n in key_lengths:
-        key_rows += run_passkey(model, args, tok, n, variants(args.policies, key_budgets))
-    common.table(key_rows, ["length", "policy", "budget", "kv_x", "accuracy"],
+
+def passkey_task(model, args, tok, lengths, budgets, label, data, suffix) -> List[Dict]:
+    t0 = time.perf_counter()
+    rows = []
+    for n in lengths:
+        rows += run_passkey(model, args, tok, n, variants(args.policies, budgets))
+    common.table(rows, ["length", "policy", "budget", "kv_x", "accuracy"],
                  f"(b) passkey retrieval, {args.trials} trials per cell "
-                 f"({time.perf_counter() - t1:.0f} s)")
-    best = summary(merged, key_rows)
-    common.table(best, ["policy", "ppl<=1.05x: KV x", "passkey=Native: KV x"],
-                 "fewest KV blocks (x Native) at which each policy keeps quality")
-
-    ppl_fig = frontier_plot(merged, "ppl", "perplexity",
-                            f"Teacher-forced perplexity, {label}, {texts} x {length} tokens", True)
-    kl_fig = frontier_plot(merged, "kl", "mean KL(Native || policy), nats",
-                           f"KL divergence from Native, {label}", True)
-    key_fig = frontier_plot([r for r in key_rows if r["length"] == key_lengths[-1]], "accuracy",
-                            "passkey accuracy", f"Passkey retrieval, {key_lengths[-1]} tokens, "
-                            f"{args.trials} trials per point", False)
-    data = {"model": label, "chunk": args.chunk, "budgets": budgets, "ppl_length": length,
-            "passkey_budgets": key_budgets,
-            "texts": texts, "perplexity": merged, "perplexity_per_text": ppl_rows,
-            "passkey": key_rows, "summary": best, "quick": args.quick,
-            "seconds": time.perf_counter() - t0}
-    name = "accuracy_quick" if args.quick else "accuracy"
-    common.save(name, data, ppl_fig)
-    common.save(name + "_kl", {"see": name + ".json"}, kl_fig)
-    common.save(name + "_passkey", {"see": name + ".json"}, key_fig)
+                 f"({time.perf_counter() - t0:.0f} s)")
+    data.update(passkey_budgets=budgets, passkey=rows)
+    common.save("accuracy_passkey" + suffix, {"see": "accuracy" + suffix + ".json"},
+                frontier_plot([r for r in rows if r["length"] == lengths[-1]], "accuracy",
+                              "passkey accuracy", f"Passkey retrieval, {lengths[-1]} tokens, "
+                              f"{args.trials} trials per point", False))
+    return rows
 
 
 if __name__ == "__main__":
