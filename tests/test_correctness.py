@@ -113,3 +113,50 @@ def test_repetition_penalty_matches_transformers(tiny_llama, prompts):
                          SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
                          use_tqdm=False)
     assert plain[0].outputs[0].token_ids != refs[0]          # the penalty changed something
+
+
+def test_load_format_dummy_runs_a_config_only_model(tmp_path):
+    """--load-format dummy: seeded random weights from config.json alone (no weights, no
+    tokenizer), token-identical to transformers running the same state dict."""
+    import json
+    import transformers
+    from vllm.model_executor.model_loader import dummy_state_dict
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256,
+                                   initializer_range=0.2)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    prompt = [5, 17, 42, 99, 7, 250]
+    llm = LLM(str(tmp_path), load_format="dummy", seed=3, num_gpu_blocks_override=16)
+    got = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    hf = transformers.LlamaForCausalLM(cfg)
+    missing, _ = hf.load_state_dict(dummy_state_dict(cfg, seed=3), strict=False)
+    assert missing in ([], ["lm_head.weight"])     # tied heads come from the embedding
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                          min_new_tokens=12)[0, len(prompt):].tolist()
+    assert got == ref
+    other = LLM(str(tmp_path), load_format="dummy", seed=4, num_gpu_blocks_override=16)
+    assert json.loads((tmp_path / "config.json").read_text())["hidden_size"] == 64
+    assert not torch.equal(other.llm_engine.model.embed, llm.llm_engine.model.embed)
+
+
+def test_bfloat16_matches_transformers_in_bfloat16(tiny_llama):
+    """The bf16 path (what --dtype auto picks on a GPU) on CPU: greedy tokens equal transformers
+    running the same checkpoint in bf16."""
+    import transformers
+    ps = random_prompts(3, seed=1, lo=10, hi=30)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(tiny_llama, dtype="bfloat16", num_gpu_blocks_override=64)
+    assert llm.llm_engine.kv_caches.dtype == torch.bfloat16
+    got = [o.outputs[0].token_ids
+           for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                           min_new_tokens=8)[0, len(p):].tolist() for p in ps]
+    assert got == ref

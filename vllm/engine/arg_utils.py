@@ -33,7 +33,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     seed: int = 0
     enforce_eager: bool = False
-    load_format: str = "auto"              # auto | simulate (no model math, synthetic attention)
+    load_format: str = "auto"              # auto | dummy (random weights) | simulate (no model math)
     kv_eviction_policy: str = "none"
     kv_eviction_ratio: float = 0.5
     kv_budget_tokens: Optional[int] = None
@@ -70,8 +70,9 @@ class EngineArgs:
         add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         add("--seed", type=int, default=0)
         add("--enforce-eager", action="store_true")
-        add("--load-format", type=str, default="auto", choices=["auto", "simulate"],
-            help="simulate: skip model math and emit seeded synthetic attention statistics")
+        add("--load-format", type=str, default="auto", choices=["auto", "dummy", "simulate"],
+            help="dummy: seeded random weights from the model directory's config.json alone; "
+                 "simulate: skip model math and emit seeded synthetic attention statistics")
         add("--kv-eviction-policy", type=str, default="none", choices=list(EVICTION_POLICIES))
         add("--kv-eviction-ratio", type=float, default=0.5,
             help="fraction of tokens evicted (budget = floor((1 - r) * length))")

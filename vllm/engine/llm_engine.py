@@ -65,7 +65,8 @@ class LLMEngine:
             from vllm.model_executor.models.simulated import SimulatedModel
             self.model = SimulatedModel(hf_config, args.seed)
         else:
-            self.model = get_model(model_dir, hf_config, self.model_config.dtype, max_len)
+            self.model = get_model(model_dir, hf_config, self.model_config.dtype, max_len,
+                                   args.load_format, args.seed)
         num_blocks = self._num_kv_blocks()
         cfg = self.model.config
         shape = (1, num_blocks * args.block_size, 2, 1, 1) if self.simulated else \
@@ -106,8 +107,8 @@ class LLMEngine:
         try:
             return AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError):
-            if load_format == "simulate":
-                return None            # simulated runs take prompt token ids only
+            if load_format in ("simulate", "dummy"):
+                return None            # a config-only model takes prompt token ids only
             raise
 
     # ---- sizing -------------------------------------------------------------------------------
