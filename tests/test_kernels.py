@@ -440,3 +440,13 @@ def test_decode_layer_matches_the_torch_path(isa, monkeypatch, gemm):
         assert layer.fused is None and not plan.use_decode_layer(x.shape[0])
         out = layer(x, cos, sin, rotary, kv, meta)
     assert rel_err(out, ref) < 1e-5 and rel_err(kv, ref_kv) < 1e-6
+
+
+def test_write_kv_skips_padding_slots():
+    """slot -1 is padding (fixed-size batches): nothing is written, the pool's last slot kept."""
+    from vllm.attention.backend import write_kv
+    cache = torch.zeros(6, 2, 1, 4)
+    k, v = torch.ones(3, 1, 4), 2 * torch.ones(3, 1, 4)
+    write_kv(cache, torch.tensor([2, -1, 0]), k, v)
+    assert cache[2, 0].eq(1).all() and cache[0, 1].eq(2).all()
+    assert cache[5].eq(0).all() and cache[[1, 3, 4]].eq(0).all()

@@ -55,7 +55,13 @@ class AttentionMetadata:
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
-    kv_cache[slot_mapping] = torch.stack((k, v), dim=1)
+    """This step's K/V into their slots; a slot < 0 (padding) writes nothing, as in the C
+    kernel (plain advanced indexing would write slot -1, the pool's last slot)."""
+    kv = torch.stack((k, v), dim=1)
+    padded = slot_mapping < 0
+    if bool(padded.any()):
+        slot_mapping, kv = slot_mapping[~padded], kv[~padded]
+    kv_cache[slot_mapping] = kv
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
