@@ -142,3 +142,21 @@ def test_bad_eviction_fields_are_400_naming_the_field(server, path, field, value
     assert r.status_code == 400
     assert r.json()["error"]["param"] == field
     wait_until_clean(engine)
+
+
+def test_streamed_prompt_with_a_score_free_policy_through_the_server(server):
+    """kv_prefill_chunk and keydiff in the body: the prompt evicts as it streams in, and the
+    answer matches the same request through the LLM API."""
+    srv, engine = server
+    body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "kv_eviction_policy": "keydiff", "kv_budget_tokens": 24,
+            "kv_min_tokens": 0, "kv_prefill_chunk": 16}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["kv"]["live_tokens"] == 24
+    assert usage["kv"]["evicted_tokens"] == usage["total_tokens"] - 1 - 24
+    bad = dict(body, kv_prefill_chunk=-4)
+    r = httpx.post(srv.url + "/v1/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_prefill_chunk"
+    wait_until_clean(engine)
