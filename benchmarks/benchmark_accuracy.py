@@ -38,8 +38,8 @@ BUDGETS = ("r0.25", "r0.5", "r0.75", "256", "512", "1024")    # rN: ratio evicte
 
 
 def eviction(policy: str, budget: str, chunk: int) -> KVEvictionParams:
-    if policy == "none":
-        return KVEvictionParams(policy="none")
+    if policy == "none":     # streamed in the same chunks, so the footprints compare
+        return KVEvictionParams(policy="none", prefill_chunk=chunk)
     if budget.startswith("r"):
         return KVEvictionParams(policy=policy, eviction_ratio=float(budget[1:]), min_tokens=0,
                                 prefill_chunk=chunk)

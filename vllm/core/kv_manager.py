@@ -60,16 +60,14 @@ class KVManager:
         seq.clean_tokens = None
         self.eviction.on_admit(seq)
 
-    def evicting_chunk(self, seq: Sequence) -> Optional[int]:
-        """Most tokens the next prefill chunk may take when the request evicts as it goes (None:
-        no bound): up to the next multiple of its --kv-prefill-chunk, and in a re-prefill after
-        preemption at most a quarter of the pool, so that a request that outgrew the pool stays
-        within it."""
-        if not self.eviction.streams(seq):
-            return None
+    def chunk_bound(self, seq: Sequence) -> Optional[int]:
+        """Most tokens the next prefill chunk may take (None: no bound): up to the next multiple
+        of the request's --kv-prefill-chunk (any request: fixed chunk positions), and in an
+        evicting re-prefill after preemption at most a quarter of the pool, so that a request
+        that outgrew the pool stays within it."""
         chunk = self.eviction.config_of(seq).prefill_chunk
         bound = None if chunk is None else chunk - seq.num_computed_tokens % chunk
-        if seq.num_preemptions:
+        if seq.num_preemptions and self.eviction.evicts(seq):
             quarter = max(self.block_size, self.num_blocks // 4 * self.block_size)
             bound = quarter if bound is None else min(bound, quarter)
         return bound

@@ -6,7 +6,7 @@ arrival order. When blocks run out, the most recently admitted running sequence 
 its blocks and token table are freed and it is prefilled again later (prompt + generated).
 
 Under eviction a request's logical length can exceed the pool. Its re-prefill then runs in
-bounded chunks and evicts after each (KVManager.evicting_chunk); a request that cannot grow
+bounded chunks and evicts after each (KVManager.chunk_bound); a request that cannot grow
 even with the pool to itself is finished as FINISHED_KV_EXHAUSTED, never retried forever.
 """
 from collections import deque
@@ -71,7 +71,7 @@ class Scheduler:
         return out
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
-        bound = self.kv.evicting_chunk(seq)
+        bound = self.kv.chunk_bound(seq)
         return min(remaining, budget, bound if bound is not None else remaining)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -120,7 +120,7 @@ class Scheduler:
             remaining = seq.num_tokens - len(hits) * kv.block_size
             n = self._chunk(seq, remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill \
-                    and kv.evicting_chunk(seq) is None:
+                    and kv.chunk_bound(seq) is None:
                 break
             if not kv.can_allocate(seq, hits, n):
                 if not self.running and not out.scheduled:

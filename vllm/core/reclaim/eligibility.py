@@ -20,7 +20,7 @@ def is_eligible(seq: Sequence, num_blocks: int, live: int, block_size: int,
                 frag_threshold: float) -> bool:
     """`live` tokens in `num_blocks` candidate blocks: the dead share of their slots passes
     --kv-frag-threshold and packing the live tokens would free at least one block."""
-    if num_blocks < 2 or seq.num_computed_tokens < seq.num_tokens - 1:   # mid-prefill
+    if num_blocks < 2:                     # (mid-prefill is fine: only computed tokens hold slots)
         return False
     dead_share = 1.0 - live / (num_blocks * block_size)
     return dead_share >= frag_threshold and -(-live // block_size) < num_blocks
