@@ -208,19 +208,35 @@ def run_chat(model, args, tok, policies: Sequence[str]) -> List[Dict]:
 
 
 # ---- report -------------------------------------------------------------------------------------
+def pareto(points: List[Tuple[float, float]], lower_is_better: bool) -> List[Tuple[float, float]]:
+    """The points no other point beats with fewer or equal KV blocks."""
+    # [(0.3, 40), (0.5, 26), (0.6, 30), (0.8, 25)] lower is better -> (0.3, 40) (0.5, 26) (0.8, 25)
+    sign = 1 if lower_is_better else -1
+    out, best = [], float("inf")
+    for x, y in sorted(points, key=lambda p: (p[0], sign * p[1])):
+        if sign * y < best:
+            out.append((x, y))
+            best = sign * y
+    return out
+
+
 def frontier_plot(rows: List[Dict], metric: str, label: str, title: str, lower_is_better: bool):
+    """Every variant as a dot, each policy's Pareto frontier as a line, Native as a star."""
     plt = common.plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     native = next(r for r in rows if r["policy"] == "none")
-    for p in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "none"):
-        pts = sorted((r["kv_x"], r[metric]) for r in rows if r["policy"] == p)
-        ax.plot(*zip(*pts), marker="o", ms=3, lw=1, label=p)
+    for i, p in enumerate(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "none")):
+        pts = [(r["kv_x"], r[metric]) for r in rows if r["policy"] == p]
+        color = f"C{i % 10}"
+        ax.scatter(*zip(*pts), s=10, color=color, alpha=0.35)
+        ax.plot(*zip(*pareto(pts, lower_is_better)), marker="o", ms=3, lw=1.2, color=color,
+                label=p)
     ax.plot([1.0], [native[metric]], marker="*", ms=14, color="black", ls="", label="Native")
     ax.set_xlabel("KV blocks per request, relative to Native (mean over computed tokens)")
     ax.set_ylabel(label + (" (lower is better)" if lower_is_better else ""))
     if metric == "ppl":
         ax.set_yscale("log")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title + "; lines: each policy's Pareto frontier", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     return fig
@@ -264,7 +280,10 @@ def main():
     p.add_argument("--tasks", nargs="+", default=["ppl", "passkey", "chat"],
                    choices=["ppl", "passkey", "chat"])
     p.add_argument("--chats", type=int, default=None, help="short ShareGPT chats for (d)")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plots from the JSON")
     args = p.parse_args()
+    if args.plot_only:
+        return replot("_quick" if args.quick else "")
     common.setup(args)
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)
@@ -300,6 +319,26 @@ def main():
                      "(d) short chats, default settings (ratio 0.5, --kv-min-tokens 512), greedy "
                      "answers identical to no eviction")
         common.save("accuracy_chat" + suffix, {"model": label, "chats": rows})
+
+
+def replot(suffix: str) -> None:
+    import json
+    import os
+    with open(os.path.join(common.RESULTS, f"accuracy{suffix}.json")) as f:
+        data = json.load(f)
+    name = f"{data['model']}, {data['texts']} x {data['ppl_length']} tokens"
+    for fig, out in ((frontier_plot(data["perplexity"], "ppl", "perplexity",
+                                    f"Teacher-forced perplexity, {name}", True), "accuracy_ppl"),
+                     (frontier_plot(data["perplexity"], "kl", "mean KL(Native || policy), nats",
+                                    f"KL divergence from Native, {name}", True), "accuracy_kl")):
+        fig.savefig(os.path.join(common.RESULTS, f"{out}{suffix}.png"), dpi=110,
+                    bbox_inches="tight")
+    keys = data.get("passkey", [])
+    for n in sorted({r["length"] for r in keys}):
+        fig = frontier_plot([r for r in keys if r["length"] == n], "accuracy", "passkey accuracy",
+                            f"Passkey retrieval, {n} tokens", False)
+        fig.savefig(os.path.join(common.RESULTS, f"accuracy_passkey_{n}{suffix}.png"), dpi=110,
+                    bbox_inches="tight")
 
 
 def perplexity_task(model, args, tok, todo, length, texts, label, data, suffix) -> List[Dict]:

@@ -31,3 +31,10 @@ def test_teacher_forced_scores(tiny_llama):
         assert r["evicted"] > 0 and r["kl"] > 0 and r["kv_x"] < 0.9, r
     # a 64-token budget keeps less than half of 200 tokens: the smallest footprint of the lot
     assert min(rows, key=lambda r: r["kv_x"])["budget"] == "64"
+
+
+def test_pareto_frontier():
+    pts = [(0.3, 40.0), (0.5, 26.0), (0.6, 30.0), (0.8, 25.0), (0.8, 27.0)]
+    assert bench.pareto(pts, lower_is_better=True) == [(0.3, 40.0), (0.5, 26.0), (0.8, 25.0)]
+    acc = [(0.3, 0.5), (0.5, 0.4), (0.6, 0.9), (0.9, 0.9)]
+    assert bench.pareto(acc, lower_is_better=False) == [(0.3, 0.5), (0.6, 0.9)]
