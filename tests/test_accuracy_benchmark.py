@@ -29,8 +29,9 @@ def test_teacher_forced_scores(tiny_llama):
     assert np.isclose(native["ppl"], float(nll.exp()), rtol=1e-4)
     for r in rows[1:]:
         assert r["evicted"] > 0 and r["kl"] > 0 and r["kv_x"] < 0.9, r
-    # a 64-token budget keeps less than half of 200 tokens: the smallest footprint of the lot
-    assert min(rows, key=lambda r: r["kv_x"])["budget"] == "64"
+    # the same policy at the same budget footprint: H2O and KeyDiff hold alike (vToken repacks)
+    by = {(r["policy"], r["budget"]): r["kv_x"] for r in rows}
+    assert abs(by["h2o", "64"] - by["keydiff", "64"]) < 0.15
 
 
 def test_pareto_frontier():
