@@ -19,6 +19,7 @@ with its settings per request (KVEvictionParams); Native is `policy="none"` in t
     python benchmarks/benchmark_accuracy.py --quick      # < 10 min on 2 cores
     python benchmarks/benchmark_accuracy.py              # the README figures
 """
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -282,8 +283,11 @@ def main():
     p.add_argument("--chats", type=int, default=None, help="short ShareGPT chats for (d)")
     p.add_argument("--plot-only", action="store_true", help="redraw the plots from the JSON")
     args = p.parse_args()
+    suffix = "_quick" if args.quick else ""
     if args.plot_only:
-        return replot("_quick" if args.quick else "")
+        import json
+        with open(os.path.join(common.RESULTS, f"accuracy{suffix}.json")) as f:
+            return plot(json.load(f), suffix)
     common.setup(args)
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)
@@ -298,20 +302,20 @@ def main():
     print(f"# {common.machine()}\n# model: {label}; chunk {args.chunk}; budgets {budgets}, "
           f"passkey budgets {key_budgets}")
 
-    suffix = "_quick" if args.quick else ""
     t0 = time.perf_counter()
     data = {"model": label, "chunk": args.chunk, "quick": args.quick}
     merged, key_rows = [], []
     if "ppl" in args.tasks:
-        merged = perplexity_task(model, args, tok, todo, length, texts, label, data, suffix)
+        merged = perplexity_task(model, args, tok, todo, length, texts, data)
     if "passkey" in args.tasks:
-        key_rows = passkey_task(model, args, tok, key_lengths, key_budgets, label, data, suffix)
+        key_rows = passkey_task(model, args, tok, key_lengths, key_budgets, data)
     if merged and key_rows:
         data["summary"] = summary(merged, key_rows)
         common.table(data["summary"], ["policy", "ppl<=1.05x: KV x", "passkey=Native: KV x"],
                      "fewest KV blocks (x Native) at which each policy keeps quality")
     if merged or key_rows:
         common.save("accuracy" + suffix, dict(data, seconds=time.perf_counter() - t0))
+        plot(data, suffix)
     if "chat" in args.tasks:
         args.chats = args.chats or (8 if args.quick else 32)
         rows = run_chat(model, args, tok, args.policies)
@@ -321,27 +325,28 @@ def main():
         common.save("accuracy_chat" + suffix, {"model": label, "chats": rows})
 
 
-def replot(suffix: str) -> None:
-    import json
-    import os
-    with open(os.path.join(common.RESULTS, f"accuracy{suffix}.json")) as f:
-        data = json.load(f)
-    name = f"{data['model']}, {data['texts']} x {data['ppl_length']} tokens"
-    for fig, out in ((frontier_plot(data["perplexity"], "ppl", "perplexity",
-                                    f"Teacher-forced perplexity, {name}", True), "accuracy_ppl"),
-                     (frontier_plot(data["perplexity"], "kl", "mean KL(Native || policy), nats",
-                                    f"KL divergence from Native, {name}", True), "accuracy_kl")):
-        fig.savefig(os.path.join(common.RESULTS, f"{out}{suffix}.png"), dpi=110,
-                    bbox_inches="tight")
+def plot(data: Dict, suffix: str) -> None:
+    """The frontier plots of whatever tasks `data` (the run's JSON) holds."""
+    figs = {}
+    if "perplexity" in data:
+        name = f"{data['model']}, {data['texts']} x {data['ppl_length']} tokens"
+        figs["accuracy_ppl"] = frontier_plot(data["perplexity"], "ppl", "perplexity",
+                                             f"Teacher-forced perplexity, {name}", True)
+        figs["accuracy_kl"] = frontier_plot(data["perplexity"], "kl",
+                                            "mean KL(Native || policy), nats",
+                                            f"KL divergence from Native, {name}", True)
     keys = data.get("passkey", [])
     for n in sorted({r["length"] for r in keys}):
-        fig = frontier_plot([r for r in keys if r["length"] == n], "accuracy", "passkey accuracy",
-                            f"Passkey retrieval, {n} tokens", False)
-        fig.savefig(os.path.join(common.RESULTS, f"accuracy_passkey_{n}{suffix}.png"), dpi=110,
+        figs[f"accuracy_passkey_{n}"] = frontier_plot(
+            [r for r in keys if r["length"] == n], "accuracy", "passkey accuracy",
+            f"Passkey retrieval, {n} tokens, {keys[0]['trials']} trials per point", False)
+    for name, fig in figs.items():
+        fig.savefig(os.path.join(common.RESULTS, f"{name}{suffix}.png"), dpi=110,
                     bbox_inches="tight")
+        print(f"wrote {os.path.join(common.RESULTS, name + suffix)}.png")
 
 
-def perplexity_task(model, args, tok, todo, length, texts, label, data, suffix) -> List[Dict]:
+def perplexity_task(model, args, tok, todo, length, texts, data) -> List[Dict]:
     t0 = time.perf_counter()
     per_text = []
     for i, ids in enumerate(essay_windows(tok, texts, length, args.seed)):
@@ -358,17 +363,10 @@ def perplexity_task(model, args, tok, todo, length, texts, label, data, suffix) 
                  f"({time.perf_counter() - t0:.0f} s)")
     data.update(ppl_length=length, texts=texts, budgets=[b for _, b in todo[1:]],
                 perplexity=merged, perplexity_per_text=per_text)
-    common.save("accuracy_ppl" + suffix, {"see": "accuracy" + suffix + ".json"},
-                frontier_plot(merged, "ppl", "perplexity",
-                              f"Teacher-forced perplexity, {label}, {texts} x {length} tokens",
-                              True))
-    common.save("accuracy_kl" + suffix, {"see": "accuracy" + suffix + ".json"},
-                frontier_plot(merged, "kl", "mean KL(Native || policy), nats",
-                              f"KL divergence from Native, {label}", True))
     return merged
 
 
-def passkey_task(model, args, tok, lengths, budgets, label, data, suffix) -> List[Dict]:
+def passkey_task(model, args, tok, lengths, budgets, data) -> List[Dict]:
     t0 = time.perf_counter()
     rows = []
     for n in lengths:
@@ -377,10 +375,6 @@ def passkey_task(model, args, tok, lengths, budgets, label, data, suffix) -> Lis
                  f"(b) passkey retrieval, {args.trials} trials per cell "
                  f"({time.perf_counter() - t0:.0f} s)")
     data.update(passkey_budgets=budgets, passkey=rows)
-    common.save("accuracy_passkey" + suffix, {"see": "accuracy" + suffix + ".json"},
-                frontier_plot([r for r in rows if r["length"] == lengths[-1]], "accuracy",
-                              "passkey accuracy", f"Passkey retrieval, {lengths[-1]} tokens, "
-                              f"{args.trials} trials per point", False))
     return rows
 
 

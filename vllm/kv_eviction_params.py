@@ -38,11 +38,8 @@ class KVEvictionParams:
     def apply(self, config: KVEvictionConfig) -> KVEvictionConfig:
         """The engine's config with this request's settings; a ratio given without a budget
         replaces the engine's fixed budget."""
-        changes = {k: v for k, v in (("policy", self.policy),
-                                      ("eviction_ratio", self.eviction_ratio),
-                                      ("budget_tokens", self.budget_tokens),
-                                      ("min_tokens", self.min_tokens),
-                                      ("prefill_chunk", self.prefill_chunk)) if v is not None}
+        # every field here is the KVEvictionConfig field of the same name
+        changes = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
         if self.eviction_ratio is not None and self.budget_tokens is None:
             changes["budget_tokens"] = None
         if self.policy is not None and self.policy != config.policy:

@@ -65,12 +65,14 @@ class EvictionDriver:
     def max_cache_hits(self, seq: Sequence) -> Optional[int]:
         """Prefix-cache hits must not skip a query the policy scores with: a hit's queries never
         run, so their attention would be missing and the eviction decisions would change."""
-        if self.evicts(seq) and self.config_of(seq).prefill_chunk is not None:
+        if not self.evicts(seq):
+            return None
+        if self.config_of(seq).prefill_chunk is not None:
             return 0                      # a hit would move where the chunks (and evictions) fall
         window = self.scored_queries(seq)
         if window == 0:
             return None
-        if self.streams(seq):             # a re-prefill scores every chunk
+        if seq.num_preemptions:           # a re-prefill scores every chunk
             return 0
         return max(seq.num_tokens - window, 0) // self.bm.block_size
 

@@ -101,13 +101,13 @@ class ModelRunner:
             start += n
         self.buffers.update(np.fromiter((t for r in ids for t in r), np.int64, start),
                             np.concatenate(pos), np.concatenate(slots), views)
-        input_ids, positions, slot_mapping, view_slots, view_lens = self.buffers.step_inputs()
+        input_ids, positions, slot_mapping, decode_views, view_lens = self.buffers.step_inputs()
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, num_decodes=len(decodes), decode_views=view_slots,
+            slot_mapping=slot_mapping, num_decodes=len(decodes), decode_views=decode_views,
             decode_lens=view_lens, prefills=prefill_spans)
         # a one-token prompt chunk runs as a decode row: its scores come from the decode mass
         if decodes and (scores.decode or any(s.seq_id in scores.prefill_from for s, _ in decodes)):
-            meta.decode_mass = torch.zeros(view_slots.shape, dtype=torch.float32)
+            meta.decode_mass = torch.zeros(decode_views.shape, dtype=torch.float32)
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta, rows=rows,
                           scores=scores)
 
