@@ -227,7 +227,7 @@ def test_isa_detection_and_forcing(monkeypatch):
 
 
 @cpu_built
-@pytest.mark.parametrize("m", [1, 2, 7, 13, 16, 17, 33, 200])  # tails of both row tiles
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 13, 15, 16, 17, 33, 200])  # tails of both tiles
 @pytest.mark.parametrize("k,n", [(5, 7), (64, 48), (96, 200)])       # n not a multiple of 16 too
 def test_packed_gemm_matches_torch(isa, m, k, n):
     g = torch.Generator().manual_seed(m * k + n)
@@ -441,6 +441,27 @@ def test_decode_layer_matches_the_torch_path(isa, monkeypatch, gemm):
         out = layer(x, cos, sin, rotary, kv, meta)
     assert rel_err(out, ref) < 1e-5 and rel_err(kv, ref_kv) < 1e-6
 
+
+
+@cpu_built
+def test_decode_layers_is_one_call_per_layer_in_order(isa, monkeypatch):
+    """The stacked call equals decode_layer applied layer by layer, each on its own cache."""
+    from vllm.model_executor.models.llama import DecoderLayer, Rotary
+    cfg, w, x, positions, kv, meta = _layer_scene()
+    rotary = Rotary(16, 128, 10000.0, {"rope_type": "default"}, torch.float32)
+    cos, sin = rotary.cos[positions], rotary.sin[positions]
+    plan = _forced_plan(monkeypatch, "c", {(64, 128): 1, (64, 64): 1, (64, 192): 1, (96, 64): 1})
+    layer = DecoderLayer(cfg, w, "l", plan)
+    scratch = cpu_kernels.decode_scratch(layer.fused, x.shape[0], meta.decode_views)
+    ref, ref_kv = x.clone(), torch.stack([kv.clone(), kv.clone() * 0.5])
+    for i in range(2):
+        cpu_kernels.decode_layer(layer.fused, ref, cos, sin, meta.slot_mapping, ref_kv[i],
+                                 meta.decode_views, meta.decode_lens, None, scratch)
+    out, kvs = x.clone(), torch.stack([kv.clone(), kv.clone() * 0.5])
+    cpu_kernels.decode_layers(cpu_kernels.layer_stack([layer.fused] * 2), out, cos, sin,
+                              meta.slot_mapping, kvs, meta.decode_views, meta.decode_lens, None,
+                              scratch)
+    assert torch.equal(out, ref) and torch.equal(kvs, ref_kv)
 
 def test_write_kv_skips_padding_slots():
     """slot -1 is padding (fixed-size batches): nothing is written, the pool's last slot kept."""

@@ -139,6 +139,8 @@ def library(isa: str) -> Optional[ctypes.CDLL]:
     lib.vtok_decode_layer_scratch.restype = _i64
     lib.vtok_decode_layer.argtypes = [layer, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                       _i64, _ptr, _i64, _ptr]
+    lib.vtok_decode_layers.argtypes = [layer, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
+                                       _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr]
     assert lib.vtok_isa().decode() == isa
     return lib
 
@@ -250,23 +252,39 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return q
 
 
+def layer_stack(layers: List[LayerWeights]) -> ctypes.Array:
+    """The layers as one C array, for decode_layers (copies of the structs: same weights)."""
+    return (LayerWeights * len(layers))(*layers)
+
+
+def decode_layers(layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  slot_mapping: torch.Tensor, kv_caches: torch.Tensor, views: torch.Tensor,
+                  lens: torch.Tensor, mass: Optional[torch.Tensor],
+                  scratch: torch.Tensor) -> torch.Tensor:
+    """Decoder layers for M decode tokens in one C call, in place on the residual stream
+    x [M, hidden] (contiguous float32); layer i reads and writes kv_caches[i]. Each layer:
+    RMSNorm, QKV, rotary + K/V write at slot_mapping, attention over views/lens (mass +=
+    probabilities, if given), O + residual, RMSNorm, SiLU MLP + residual. `scratch` from
+    decode_scratch()."""
+    m, width = x.shape[0], _width(views)
+    assert x.is_contiguous() and x.dtype == torch.float32 and views.stride(1) == 1
+    assert kv_caches.is_contiguous() and len(kv_caches) == len(layers)
+    _library().vtok_decode_layers(
+        layers, len(layers), x.data_ptr(), m, cos.contiguous().data_ptr(),
+        sin.contiguous().data_ptr(), slot_mapping.data_ptr(), kv_caches.data_ptr(),
+        kv_caches[0].numel(), views.data_ptr(), views.stride(0), lens.contiguous().data_ptr(),
+        width, None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
+        scratch.data_ptr())
+    return x
+
+
 def decode_layer(layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor, views: torch.Tensor,
                  lens: torch.Tensor, mass: Optional[torch.Tensor],
                  scratch: torch.Tensor) -> torch.Tensor:
-    """One decoder layer for M decode tokens, in place on the residual stream x [M, hidden]
-    (contiguous float32): RMSNorm, QKV, rotary + K/V write at slot_mapping, attention over
-    views/lens (mass += probabilities, if given), O + residual, RMSNorm, SiLU MLP + residual.
-    `scratch` from decode_scratch() can be shared by every layer of a step."""
-    m, width = x.shape[0], _width(views)
-    assert x.is_contiguous() and x.dtype == torch.float32 and views.stride(1) == 1
-    _library().vtok_decode_layer(
-        ctypes.byref(layer), x.data_ptr(), m, cos.contiguous().data_ptr(),
-        sin.contiguous().data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(),
-        views.data_ptr(), views.stride(0), lens.contiguous().data_ptr(), width,
-        None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
-        scratch.data_ptr())
-    return x
+    """decode_layers for one layer and its cache kv_cache [S, 2, KVH, D]."""
+    return decode_layers(layer_stack([layer]), x, cos, sin, slot_mapping, kv_cache[None], views,
+                         lens, mass, scratch)
 
 
 def decode_scratch(layer: LayerWeights, m: int, views: torch.Tensor) -> torch.Tensor:
