@@ -1,6 +1,7 @@
 """OpenAIServing: what completions and chat share (model check, limits, sampling params,
 running several prompts as one request, SSE framing, streaming text deltas)."""
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -150,12 +151,14 @@ class OpenAIServing:
 
     @staticmethod
     def kv_eviction(req: SamplingRequest) -> Optional[KVEvictionParams]:
-        fields = (req.kv_eviction_policy, req.kv_eviction_ratio, req.kv_budget_tokens,
-                  req.kv_min_tokens, req.kv_prefill_chunk)
-        if all(f is None for f in fields):
+        # body field kv_<name> per KVEvictionParams field (policy: kv_eviction_policy)
+        given = {f.name: getattr(req, "kv_eviction_policy" if f.name == "policy"
+                                 else f"kv_{f.name}")
+                 for f in dataclasses.fields(KVEvictionParams)}
+        if all(v is None for v in given.values()):
             return None
         try:
-            return KVEvictionParams(*fields)
+            return KVEvictionParams(**given)
         except ValueError as e:
             raise OpenAIError(str(e), param=str(e).split(":", 1)[0]) from None
 
