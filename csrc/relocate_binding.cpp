@@ -1,9 +1,11 @@
 // Torch binding for the relocation kernel: registers torch.ops.vtoken.relocate_kv (CUDA).
-// The kernel itself (relocate_kv.cu) sees raw pointers only.
-#include <c10/cuda/CUDAStream.h>
+// The kernel itself (relocate_kv.cu) sees raw pointers only. Loaded as a plain shared library
+// (torch.ops.load_library; vllm/cuda_kernels.py builds it on first use), so no Python headers.
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include "relocate_kv.cuh"
 
@@ -26,8 +28,15 @@ void relocate_kv(at::Tensor kv_caches, const at::Tensor& src, const at::Tensor& 
   const auto idx = at::TensorOptions().device(kv_caches.device()).dtype(at::kLong);
   const at::Tensor s = src.to(idx, /*non_blocking=*/true).contiguous();
   const at::Tensor d = dst.to(idx, /*non_blocking=*/true).contiguous();
+  const int64_t num_slots = kv_caches.size(1);
+#ifdef VTOKEN_DEBUG
+  // debug builds: index ranges checked on the host (a device sync) before the launch
+  TORCH_CHECK(s.min().item<int64_t>() >= 0 && s.max().item<int64_t>() < num_slots &&
+                  d.min().item<int64_t>() >= 0 && d.max().item<int64_t>() < num_slots,
+              "relocate_kv: a slot index outside [0, ", num_slots, ")");
+#endif
   const int64_t elem = kv_caches.element_size();
-  const int err = vtoken_relocate_kv(kv_caches.data_ptr(), kv_caches.size(0),
+  const int err = vtoken_relocate_kv(kv_caches.data_ptr(), kv_caches.size(0), num_slots,
                                      kv_caches.stride(0) * elem, row * elem,
                                      s.data_ptr<int64_t>(), d.data_ptr<int64_t>(), s.numel(),
                                      c10::cuda::getCurrentCUDAStream().stream());
@@ -41,5 +50,3 @@ TORCH_LIBRARY(vtoken, m) {
 }
 
 TORCH_LIBRARY_IMPL(vtoken, CUDA, m) { m.impl("relocate_kv", &relocate_kv); }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}  // importing vllm._C registers the op above

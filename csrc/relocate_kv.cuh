@@ -9,6 +9,9 @@
 // A pure byte copy, so fp32, fp16 and bf16 caches all go through the same kernel; rows are
 // copied 16 bytes at a time when the base pointer, row size and layer stride allow it.
 // src and dst must be disjoint (the planner moves live tokens into dead slots only).
+//
+// Built with -DVTOKEN_DEBUG, the kernel traps on a slot outside [0, num_slots) (and the torch
+// binding checks the index ranges on the host first); without it nothing is checked.
 #pragma once
 #include <stdint.h>
 
@@ -18,9 +21,9 @@ extern "C" {
 
 // src, dst: device arrays of num_moves int64 slot indices.  stream: a cudaStream_t (0 = default).
 // Returns 0 (cudaSuccess) or the cudaError_t of the launch.  Asynchronous: nothing is waited on.
-int vtoken_relocate_kv(void* kv, int64_t num_layers, int64_t layer_stride_bytes,
-                       int64_t row_bytes, const int64_t* src, const int64_t* dst,
-                       int64_t num_moves, void* stream);
+int vtoken_relocate_kv(void* kv, int64_t num_layers, int64_t num_slots,
+                       int64_t layer_stride_bytes, int64_t row_bytes, const int64_t* src,
+                       const int64_t* dst, int64_t num_moves, void* stream);
 
 // The access width (16, 8, 4, 2 or 1 bytes) the launcher picks for this layout.
 int vtoken_relocate_vector_bytes(const void* kv, int64_t layer_stride_bytes, int64_t row_bytes);

@@ -54,3 +54,57 @@ def test_views_feed_decode_attention():
         alone = ops.decode_attention(q[i:i + 1], kv, torch.from_numpy(v)[None],
                                      torch.tensor([len(v)]), 0.3)
         assert torch.allclose(out[i], alone[0], atol=1e-6)
+
+
+class LoggedEvent:
+    """A mirror's upload event that logs when update() waits on it and when it is recorded."""
+
+    def __init__(self, log, mirror):
+        self.log, self.mirror = log, mirror
+
+    def record(self):
+        self.log.append(("record", self.mirror))
+
+    def synchronize(self):
+        self.log.append(("wait", self.mirror))
+
+
+def random_step(rng, max_tokens, max_seqs, max_view_len):
+    rows = int(rng.integers(0, max_seqs + 1))
+    views = [rng.choice(100, int(rng.integers(1, max_view_len + 1)), replace=False)
+             for _ in range(rows)]
+    n = int(rng.integers(rows, max_tokens + 1))
+    return (rng.integers(0, 50, n), rng.integers(0, 500, n), rng.integers(0, 100, n), views)
+
+
+def test_double_buffered_staging_alternates_and_matches_unstaged():
+    """Two host mirrors in turn (the CUDA path's staging, run with CPU tensors): each step waits
+    only on the mirror it is about to write (uploaded two steps before), never on the previous
+    step's upload, and the buffers hold exactly what unstaged updates give, padding included,
+    whatever a mirror held two steps ago."""
+    plain = InputBuffers(max_tokens=12, max_seqs=4, max_view_len=9)
+    staged = InputBuffers(max_tokens=12, max_seqs=4, max_view_len=9, staging=2)
+    log = []
+    for i, m in enumerate(staged.mirrors):
+        m.uploaded = LoggedEvent(log, i)
+    host_ptrs = {m["view_slots"].data_ptr() for m in staged.mirrors}
+    assert len(host_ptrs) == 2 and staged.view_slots.data_ptr() not in host_ptrs
+    before = addresses(staged)
+    rng = np.random.default_rng(0)
+    for step in range(40):
+        args = random_step(rng, 12, 4, 9)
+        plain.update(*args)
+        staged.update(*args)
+        assert log[-2:] == [("wait", step % 2), ("record", step % 2)]
+        for a, b in zip(plain.step_inputs(), staged.step_inputs()):
+            assert torch.equal(a, b)
+        for name in ("input_ids", "positions", "slot_mapping", "view_slots", "view_lens"):
+            assert torch.equal(getattr(plain, name), getattr(staged, name)), name
+    assert addresses(staged) == before
+    assert [m.uses for m in staged.mirrors] == [20, 20]
+
+
+def test_staging_is_cpu_optional_and_cuda_only_by_default():
+    assert InputBuffers(4, 2, 3).mirrors == []          # CPU: the host tensors are the buffers
+    with pytest.raises(AssertionError, match="staging"):
+        InputBuffers(4, 2, 3, staging=1)

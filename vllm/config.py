@@ -5,10 +5,13 @@ Every error message names the CLI flag a user would change.
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-window",
                      "random", "tova", "snapkv", "knorm", "keydiff")
 RECLAMATION_MODES = ("vtoken", "vtoken-fill", "none")
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cuda", "cpu")
 
 
 def _check(cond: bool, flag: str, message: str) -> None:
@@ -17,15 +20,36 @@ def _check(cond: bool, flag: str, message: str) -> None:
 
 
 @dataclass
+class DeviceConfig:
+    """--device: "auto" resolves to "cuda" where torch sees a GPU, else "cpu"."""
+    device: str = "auto"
+
+    def __post_init__(self):
+        _check(self.device in DEVICES, "--device", f"must be one of {DEVICES}, got {self.device!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        _check(self.device != "cuda" or torch.cuda.is_available(), "--device",
+               "cuda was asked for but torch sees no GPU (torch.cuda.is_available() is False); "
+               "use --device cpu or auto")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass
 class ModelConfig:
     model: str                      # local HF directory (safetensors or .bin) after resolution
     tokenizer: str
-    dtype: str = "float32"
+    dtype: str = "auto"             # auto: bfloat16 on CUDA, float32 on CPU
     max_model_len: Optional[int] = None
     seed: int = 0
     enforce_eager: bool = False
+    device: str = "cpu"             # resolved (DeviceConfig)
 
     def __post_init__(self):
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
         _check(self.dtype in DTYPES, "--dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "--max-model-len",
                f"must be positive, got {self.max_model_len}")
@@ -35,10 +59,13 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     num_gpu_blocks_override: Optional[int] = None
-    kv_cache_memory: Optional[int] = None     # bytes; default: a fraction of free RAM
+    kv_cache_memory: Optional[int] = None     # bytes (CPU); default: a fraction of free RAM
     enable_prefix_caching: bool = False
+    gpu_memory_utilization: float = 0.9       # CUDA: share of GPU memory for weights + KV + work
 
     def __post_init__(self):
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "--gpu-memory-utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.block_size > 0, "--block-size", f"must be positive, got {self.block_size}")
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
                "--num-gpu-blocks-override", f"must be positive, got {self.num_gpu_blocks_override}")

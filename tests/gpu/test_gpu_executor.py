@@ -17,7 +17,7 @@ def setup(**kwargs):
     kv = torch.zeros(4, 4096, 2, 8, 128, device="cuda", dtype=torch.float16)
     src, dst = torch.arange(0, 256), torch.arange(2048, 2304)
     ex = RelocationExecutor(kv, **kwargs)
-    ex.submit(src, dst).synchronize()        # first-use costs (streams, pinned pool) out of timing
+    ex.submit(-1, src, dst).synchronize()    # first-use costs (streams, pinned pool) untimed
     ex.blocked_time = 0.0
     return kv, src, dst, ex
 
@@ -28,7 +28,7 @@ def test_copy_is_ordered_after_compute_writes_without_host_wait():
     torch.cuda._sleep(SLEEP)                 # compute stream busy ...
     kv[:, src_on_gpu] = 1.0                  # ... then it writes the sources
     t0 = time.perf_counter()
-    event = ex.submit(src, dst)
+    event = ex.submit(0, src, dst)
     assert time.perf_counter() - t0 < 0.02 and not event.query()   # submit did not wait
     event.synchronize()
     assert ex.blocked_time > 0
@@ -38,7 +38,7 @@ def test_copy_is_ordered_after_compute_writes_without_host_wait():
 def test_copy_overlaps_later_compute_and_completes_by_event():
     kv, src, dst, ex = setup()
     kv[:, src.cuda()] = 2.0
-    event = ex.submit(src, dst)
+    event = ex.submit(0, src, dst)
     torch.cuda._sleep(SLEEP)                 # the next step's work, on the compute stream
     deadline = time.perf_counter() + 5
     while not event.query():                 # polled, as the backend does
@@ -53,6 +53,6 @@ def test_copy_overlaps_later_compute_and_completes_by_event():
 def test_force_sync_blocks_and_measures():
     kv, src, dst, ex = setup(force_sync=True)
     torch.cuda._sleep(SLEEP)
-    event = ex.submit(src, dst)
+    event = ex.submit(0, src, dst)
     assert event.query() and ex.blocked_time > 0.01
     assert ex.stats()["copy_blocked_s"] == ex.blocked_time

@@ -1,11 +1,17 @@
-"""On CUDA: a captured decode-attention graph keeps replaying after relocation. The slot views
-live in persistent InputBuffers rewritten in place; no recapture. Skipped without CUDA."""
+"""On CUDA: CUDA graphs for decode. A captured decode-attention graph keeps replaying after
+relocation (views rewritten in place, no recapture); a replayed decode step equals the
+eager forward over the same static buffers; and the engine with graphs (the default) gives the
+same greedy tokens as --enforce-eager, Native and H2O + vToken (the attention-mass variant),
+with padded buckets replayed. Skipped without CUDA."""
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import random_prompts
 from tests.kernel_refs import decode_reference, rel_err
+from vllm import LLM, SamplingParams
 from vllm import _custom_ops as ops
+from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.input_buffers import InputBuffers
 from vllm.worker.relocation import RelocationExecutor
 
@@ -52,7 +58,7 @@ def test_graph_replays_after_relocation_without_recapture():
     for round_ in range(3):                  # relocate, rewrite the views in place, replay
         src = views[0][:20]
         dst = np.arange(600 + 20 * round_, 620 + 20 * round_)
-        event = ex.submit(torch.from_numpy(src), torch.from_numpy(dst))
+        event = ex.submit(round_, torch.from_numpy(src), torch.from_numpy(dst))
         while not event.query():
             pass
         views[0] = np.concatenate([dst, views[0][20:]])     # apply_moves: new slots, same order
@@ -65,3 +71,60 @@ def test_graph_replays_after_relocation_without_recapture():
         assert (bufs.view_slots.data_ptr(), bufs.view_lens.data_ptr()) == addresses
         assert (bufs.view_slots[len(views):] == -1).all()
         assert (bufs.view_lens[len(views):] == 0).all()
+
+
+GREEDY = [SamplingParams(temperature=0, max_tokens=12 + 6 * i, ignore_eos=True) for i in range(6)]
+EVICT = dict(kv_eviction_policy="h2o", kv_eviction_ratio=0.5, kv_min_tokens=0,
+             kv_reclamation="vtoken", kv_check_invariants=True)
+
+
+def engine(model, enforce_eager, **kw):
+    return LLM(model, device="cuda", dtype="float32", max_num_seqs=6, num_gpu_blocks_override=96,
+               enforce_eager=enforce_eager, **kw)
+
+
+def test_replay_equals_the_eager_forward_on_the_static_buffers(tiny_llama):
+    """Same kernels, same static inputs: a replayed bucket equals calling the model directly."""
+    llm = engine(tiny_llama, enforce_eager=True)
+    eng = llm.llm_engine
+    prompts = random_prompts(3, seed=4, lo=20, hi=40)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), {"prompt_token_ids": p}, GREEDY[0])
+    eng.step()                                                # all three prompts, first tokens
+    sched = eng.scheduler.schedule()
+    assert [n for _, n in sched.scheduled] == [1, 1, 1]      # a decode-only step
+    inp = eng.runner.prepare_inputs(sched.scheduled, eng.kv.score_request(sched.scheduled))
+    graphs = CudaGraphRunner(eng.model, eng.kv_caches, eng.runner.buffers, 6)
+    eager = CudaGraphRunner(eng.model, eng.kv_caches, eng.runner.buffers, 6, eager=True)
+    assert graphs.accepts(inp) and graphs.bucket(inp.meta, 3) == 4
+    with torch.inference_mode():
+        a = eager.run(inp)
+        b = graphs.run(inp)                                    # captures, then replays
+        c = graphs.run(inp)                                    # replays again
+    assert graphs.replays == 2 and list(graphs.graphs) == [(4, False)]
+    assert a.shape[0] == 3 and torch.equal(b, c)
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)   # same kernels on the same inputs
+    eng.abort_request([str(i) for i in range(3)])
+
+
+@pytest.mark.parametrize("evict", [False, True], ids=["native", "h2o-vtoken"])
+def test_engine_graphs_match_enforce_eager(tiny_llama, evict):
+    prompts = random_prompts(6, seed=3, lo=20, hi=60)
+    kw = EVICT if evict else {}
+    outs = {}
+    for eager in (True, False):
+        llm = engine(tiny_llama, enforce_eager=eager, **kw)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        outs[eager] = [o.outputs[0].token_ids for o in res]
+        graphs = llm.llm_engine.runner.graphs
+        if eager:
+            assert graphs is None
+        else:
+            # the batch shrinks 6 -> 1: buckets 6, 4 (batch 3: padded), 2, 1, all replayed
+            assert {g for g, _ in graphs.graphs} == {1, 2, 4, 6} and not graphs.failed
+            assert {m for _, m in graphs.graphs} == {evict}
+            assert graphs.replays == sum(graphs.runs.values()) > 0
+        if evict:
+            llm.llm_engine.check_invariants()
+            assert llm.get_kv_stats()["relocation_events"] > 0
+    assert outs[False] == outs[True]

@@ -1,13 +1,20 @@
-"""On CUDA: the relocation op (vllm._C), the Triton relocation and decode kernels, and the
-dispatch, against torch references. Skipped without CUDA."""
+"""On CUDA: the relocation op (JIT-built on first use, vllm/cuda_kernels.py), the Triton
+relocation and decode kernels, and the dispatch, against torch references. Skipped without
+CUDA."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from tests.kernel_refs import decode_reference, moves, paged_scene, rel_err
 from vllm import _custom_ops as ops
+from vllm import cuda_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cache(layers, slots, kvh, d, dtype, layer_pad=0):
@@ -16,18 +23,54 @@ def cache(layers, slots, kvh, d, dtype, layer_pad=0):
     return full[:, :slots]
 
 
+def test_cuda_op_builds_on_first_use():
+    """The JIT build must succeed on a machine with nvcc (else relocation silently runs Triton)."""
+    assert cuda_kernels.load_relocate_op(), "build failed: see the warning logged above"
+    assert ops._available("cuda") and hasattr(torch.ops.vtoken, "relocate_kv")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kvh,d,layer_pad", [(8, 128, 0), (2, 3, 0), (2, 64, 5)])
+@pytest.mark.parametrize("layers,kvh,d,layer_pad", [(4, 8, 128, 0), (32, 8, 128, 0),
+                                                    (13, 2, 64, 5), (3, 2, 3, 0)])
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_relocation_matches_torch(dtype, kvh, d, layer_pad, backend):
+def test_relocation_matches_torch(dtype, layers, kvh, d, layer_pad, backend):
+    """Layer counts below, at and off the kernel's 8-layer chunk; 16-byte, 8-byte and 2-byte
+    access widths (d 3 rows are 12 or 24 bytes); a strided cache (a gap between layers)."""
     if backend == "cuda" and not ops._available("cuda"):
-        pytest.skip("vllm._C not built (benchmarks/gpu_check.sh builds it)")
-    kv = cache(4, 2048, kvh, d, dtype, layer_pad)
-    src, dst = moves(2048, 300, seed=d)
+        pytest.skip("the CUDA op did not build (test_cuda_op_builds_on_first_use fails)")
+    kv = cache(layers, 2048, kvh, d, dtype, layer_pad)
+    src, dst = moves(2048, 300, seed=d + layers)
     ref = kv.clone()
     ops.relocate_kv(ref, src.cuda(), dst.cuda(), backend="torch")
     ops.relocate_kv(kv, src.cuda(), dst.cuda(), backend=backend)
     assert torch.equal(kv.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8))
+
+
+def test_cuda_op_many_moves_and_host_indices():
+    if not ops._available("cuda"):
+        pytest.skip("the CUDA op did not build")
+    kv = cache(2, 65536, 8, 128, torch.bfloat16)
+    src, dst = moves(65536, 20000, seed=7)
+    ref = kv.clone()
+    ops.relocate_kv(ref, src, dst, backend="torch")
+    ops.relocate_kv(kv, src, dst, backend="cuda")       # host indices: the binding uploads them
+    assert torch.equal(kv.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_debug_build_checks_index_ranges(tmp_path):
+    """VLLM_RELOCATE_DEBUG=1 builds with -DVTOKEN_DEBUG: an out-of-range slot is a TORCH_CHECK
+    error, not a silent write (its own process: the op namespace registers once per process)."""
+    code = ("import torch; from vllm import cuda_kernels; assert cuda_kernels.load_relocate_op()\n"
+            "kv = torch.zeros(2, 64, 2, 2, 8, device='cuda')\n"
+            "try:\n"
+            "    torch.ops.vtoken.relocate_kv(kv, torch.tensor([1, 64]), torch.tensor([2, 3]))\n"
+            "except RuntimeError as e:\n"
+            "    print('checked:', 'outside' in str(e))\n")
+    env = {**os.environ, "VLLM_RELOCATE_DEBUG": "1", "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "checked: True" in run.stdout
 
 
 def test_dispatch_prefers_the_cuda_op():

@@ -1,4 +1,6 @@
-"""Attention over the paged KV cache on CPU: the C decode kernel where it is built, torch otherwise.
+"""Attention over the paged KV cache, read through each request's attention view. Every kernel
+is reached through vllm/_custom_ops.py (the one dispatch point): decode on the C kernel (CPU),
+Triton (CUDA) or torch; prefill on xformers or SDPA; the cache write on Triton or torch.
 
 The KV cache of one layer is a flat array of slots:
 
@@ -6,14 +8,14 @@ The KV cache of one layer is a flat array of slots:
                                  ^ 0 = K, 1 = V (one row holds both, so one gather reads both)
 
 Attention never derives slots from positions: every request reads through its attention view,
-the live slots in logical order that the model runner built from the token table.
+the live slots in logical order that the model runner built from the token table. All metadata
+lives on the cache's device.
 """
 import functools
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 
 from vllm import _custom_ops as ops
 
@@ -40,28 +42,22 @@ class AttentionMetadata:
     decode_mass: Optional[torch.Tensor] = None       # [B, Lmax] float32 += probabilities summed
                                                      # over layers and heads; None: not collected
 
-    # The torch path's form of the views, derived on first use (the C kernel reads the views):
-    # [[5, 9], [7, -1]] -> gather slots [[5, 9], [7, 0]], bias [[0, 0], [0, -inf]]
+    # The torch path's form of the views, derived once per step on first use (see
+    # ops.torch_decode_view): [[5, 9], [7, -1]] -> gather [[5, 9], [7, 0]], bias [[0, 0], [0, -inf]]
     @functools.cached_property
+    def decode_torch_view(self):
+        return ops.torch_decode_view(self.decode_views)
+
+    @property
     def decode_slots(self) -> torch.Tensor:          # [B, Lmax], padding read as slot 0
-        return self.decode_views.clamp(min=0)
+        return self.decode_torch_view[0]
 
-    @functools.cached_property
+    @property
     def decode_bias(self) -> torch.Tensor:           # [B, 1, 1, Lmax] 0 real key, -inf padding
-        b, width = self.decode_views.shape
-        bias = torch.zeros(b, 1, 1, width, device=self.decode_views.device)
-        return bias.masked_fill_((self.decode_views < 0)[:, None, None, :], float("-inf"))
+        return self.decode_torch_view[1]
 
 
-def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """This step's K/V into their slots; a slot < 0 (padding) writes nothing, as in the C
-    kernel (plain advanced indexing would write slot -1, the pool's last slot)."""
-    kv = torch.stack((k, v), dim=1)
-    padded = slot_mapping < 0
-    if bool(padded.any()):
-        slot_mapping, kv = slot_mapping[~padded], kv[~padded]
-    kv_cache[slot_mapping] = kv
+write_kv = ops.write_kv      # the model's cache write, beside the attention that reads it
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -81,26 +77,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float, path: Optional[str] = None) -> torch.Tensor:
-    if path != "torch" and ops.decode_backend(q) == "cpu":
-        return ops.decode_attention(q, kv_cache, meta.decode_views, meta.decode_lens, scale,
-                                    meta.decode_mass, backend="cpu")
-    b, h, d = q.shape
-    width = meta.decode_slots.shape[1]
-    # index_select on the flat view is ~2x faster than advanced indexing on CPU
-    kv = kv_cache.index_select(0, meta.decode_slots.view(-1))
-    kv = kv.view(b, width, 2, kv_cache.shape[2], d)              # [B, L, 2, KVH, D]
-    k = kv[:, :, 0].transpose(1, 2)                              # [B, KVH, L, D]
-    v = kv[:, :, 1].transpose(1, 2)
-    if meta.decode_mass is None:
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_bias,
-                                             scale=scale, enable_gqa=True)
-        return out.view(b, h, d)
-    kvh = k.shape[1]
-    qg = q.view(b, kvh, h // kvh, d)                 # query heads grouped by their KV head
-    scores = torch.matmul(qg, k.transpose(2, 3)) * scale + meta.decode_bias
-    probs = torch.softmax(scores, dim=-1)            # [B, KVH, G, L]
-    meta.decode_mass += probs.sum(dim=(1, 2), dtype=torch.float32)
-    return torch.matmul(probs, v).reshape(b, h, d)
+    which = "torch" if path == "torch" else ops.decode_backend(q)
+    view = meta.decode_torch_view if which == "torch" else None
+    return ops.decode_attention(q, kv_cache, meta.decode_views, meta.decode_lens, scale,
+                                meta.decode_mass, backend=which, torch_view=view)
 
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
@@ -110,10 +90,7 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
     v = kv[:, 1].transpose(0, 1)
     qh = q.transpose(0, 1)                           # [H, q, D]
     if span.colsum is None:
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=span.mask,
-                                             is_causal=span.mask is None, scale=scale,
-                                             enable_gqa=True)
-        return out.transpose(0, 1)
+        return ops.prefill_attention(qh, k, v, span.mask, scale).transpose(0, 1)
     return _prefill_with_colsum(qh, k, v, span, scale).transpose(0, 1)
 
 
@@ -125,7 +102,7 @@ def _prefill_with_colsum(qh, k, v, span, scale):
     qg = qh.reshape(kvh, h // kvh, lq, d)
     mask = span.mask
     if mask is None:   # plain causal: query i sees keys 0..i + (Lk - Lq)
-        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=qh.device).tril(lk - lq)
     out = torch.empty_like(qg)
     kt = k.transpose(1, 2).unsqueeze(1)              # [KVH, 1, D, Lk]
     vv = v.unsqueeze(1)                              # [KVH, 1, Lk, D]

@@ -4,7 +4,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from vllm.config import EVICTION_POLICIES, RECLAMATION_MODES, KVEvictionConfig
+from vllm.config import DEVICES, EVICTION_POLICIES, RECLAMATION_MODES, KVEvictionConfig
 
 _KV_FIELDS = {  # EngineArgs field -> KVEvictionConfig field
     "kv_eviction_policy": "policy", "kv_eviction_ratio": "eviction_ratio",
@@ -22,13 +22,15 @@ _KV_FIELDS = {  # EngineArgs field -> KVEvictionConfig field
 class EngineArgs:
     model: Optional[str] = None            # local HF dir or .gguf; None = SmolLM2-135M-Instruct
     tokenizer: Optional[str] = None
-    dtype: str = "auto"                    # auto = float32 on CPU
+    device: str = "auto"                   # auto = cuda when torch sees a GPU, else cpu
+    dtype: str = "auto"                    # auto = bfloat16 on CUDA, float32 on CPU
     block_size: int = 16
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None
-    kv_cache_memory: Optional[int] = None
+    kv_cache_memory: Optional[int] = None  # CPU: KV bytes
+    gpu_memory_utilization: float = 0.9    # CUDA: weights + activations + KV share of memory
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -57,15 +59,22 @@ class EngineArgs:
             add("--model", type=str, default=None,
                 help="local HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
         add("--tokenizer", type=str, default=None)
+        add("--device", type=str, default="auto", choices=list(DEVICES),
+            help="auto: cuda when torch sees a GPU, else cpu")
         add("--dtype", type=str, default="auto",
-            choices=["auto", "float32", "bfloat16", "float16"])
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="auto: bfloat16 on CUDA, float32 on CPU")
         add("--block-size", type=int, default=16)
         add("--max-model-len", type=int, default=None)
         add("--max-num-seqs", type=int, default=256)
         add("--max-num-batched-tokens", type=int, default=None)
         add("--num-gpu-blocks-override", type=int, default=None,
             help="fixed KV block budget")
-        add("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+        add("--kv-cache-memory", type=int, default=None,
+            help="CPU: KV cache size in bytes (default a fifth of free RAM, at most 2 GiB)")
+        add("--gpu-memory-utilization", type=float, default=0.9,
+            help="CUDA: share of the GPU's memory for weights, activations and the KV cache; "
+                 "the KV pool gets what a profiling forward leaves of it")
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
         add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         add("--seed", type=int, default=0)

@@ -8,7 +8,7 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
 from vllm.core.kv_manager import KVManager
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
@@ -16,11 +16,13 @@ from vllm.engine.stop_checker import StopChecker
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.model_executor.gguf_loader import resolve_model
 from vllm.model_executor.model_loader import DTYPES, get_model
-from vllm.model_executor.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from vllm.model_executor.sampler import (Sampler, SamplerOutput, SamplingRow,
+                                         compute_prompt_logprobs)
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceStatus
-from vllm.worker.model_runner import ModelRunner, StepRow
+from vllm.worker.cuda_graph_runner import CudaGraphRunner
+from vllm.worker.model_runner import ModelRunner, StepRow, profile_forward
 from vllm.worker.relocation import RelocationExecutor
 
 PromptType = Union[str, Dict, List[int]]
@@ -42,6 +44,18 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
 
+def kv_blocks_for_memory(total: int, used: int, utilization: float, block_bytes: int) -> int:
+    """KV blocks that fit in utilization * total bytes besides `used` (the profiled peak)."""
+    budget = int(total * utilization) - used
+    if budget < block_bytes:
+        raise ValueError(f"--gpu-memory-utilization {utilization}: {utilization} x "
+                         f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB for the KV "
+                         f"cache after {used / 2**30:.2f} GiB of weights and activations: no KV "
+                         f"block ({block_bytes} bytes) fits; raise it, or lower "
+                         f"--max-num-batched-tokens")
+    return budget // block_bytes
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         model_dir = resolve_model(args.model)
@@ -49,36 +63,43 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.hf_config = hf_config
         max_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
+        self.simulated = args.load_format == "simulate"
+        self.device_config = DeviceConfig(self._device(args))
+        self.device = self.device_config.torch_device
         self.model_config = ModelConfig(model=model_dir, tokenizer=args.tokenizer or model_dir,
-                                        dtype="float32" if args.dtype == "auto" else args.dtype,
-                                        max_model_len=max_len, seed=args.seed,
-                                        enforce_eager=args.enforce_eager)
+                                        dtype=args.dtype, max_model_len=max_len, seed=args.seed,
+                                        enforce_eager=args.enforce_eager,
+                                        device=self.device_config.device)
         self.cache_config = CacheConfig(args.block_size, args.num_gpu_blocks_override,
-                                        args.kv_cache_memory, args.enable_prefix_caching)
+                                        args.kv_cache_memory, args.enable_prefix_caching,
+                                        args.gpu_memory_utilization)
         self.scheduler_config = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.max_num_seqs),
             max_len, args.enable_chunked_prefill)
         self.kv_config = args.eviction_config()
         torch.manual_seed(args.seed)
-        self.simulated = args.load_format == "simulate"
         if self.simulated:   # no model math: the KV plane (scheduler, tables, policies) runs for real
             from vllm.model_executor.models.simulated import SimulatedModel
             self.model = SimulatedModel(hf_config, args.seed)
         else:
             self.model = get_model(model_dir, hf_config, self.model_config.dtype, max_len,
-                                   args.load_format, args.seed)
+                                   args.load_format, args.seed, self.device)
         num_blocks = self._num_kv_blocks()
         cfg = self.model.config
         shape = (1, num_blocks * args.block_size, 2, 1, 1) if self.simulated else \
             (cfg.num_hidden_layers, num_blocks * args.block_size, 2, cfg.num_key_value_heads,
              cfg.head_dim)
-        self.kv_caches = torch.zeros(shape, dtype=DTYPES[self.model_config.dtype])
+        self.kv_caches = torch.zeros(shape, dtype=DTYPES[self.model_config.dtype],
+                                     device=self.device)
         self.kv = KVManager(num_blocks, args.block_size, args.enable_prefix_caching,
                             self.kv_config, cfg.num_hidden_layers * cfg.num_attention_heads)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv.token_table,
                                   self.scheduler_config.max_num_batched_tokens,
                                   self.scheduler_config.max_num_seqs, max_len)
+        if self.device.type == "cuda" and not args.enforce_eager:
+            self.runner.graphs = CudaGraphRunner(self.model, self.kv_caches, self.runner.buffers,
+                                                 self.scheduler_config.max_num_seqs)
         if self.kv_config.reclaims:
             self.runner.relocation = RelocationExecutor(
                 self.kv_caches, force_sync=self.kv_config.reclaim_force_sync,
@@ -87,6 +108,16 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.tokenizer, max_len)
         self.requests: Dict[str, RequestState] = {}
         self._warn_if_pool_short(num_blocks * args.block_size)
+
+    @staticmethod
+    def _device(args: EngineArgs) -> str:
+        """The simulated model has no model math to place: it runs on the CPU (auto picks it)."""
+        if args.load_format != "simulate" or args.device == "cpu":
+            return args.device
+        if args.device == "cuda":
+            raise ValueError("--device cuda: --load-format simulate runs on the CPU only "
+                             "(it has no model math); use --device cpu or auto")
+        return "cpu"
 
     def _warn_if_pool_short(self, pool_tokens: int) -> None:
         if self.max_model_len <= pool_tokens:
@@ -122,6 +153,8 @@ class LLMEngine:
         cc = self.cache_config
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            return self._num_gpu_blocks()
         budget = cc.kv_cache_memory
         if budget is None:   # a fifth of available RAM, at most 2 GiB
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -131,6 +164,24 @@ class LLMEngine:
             raise ValueError(f"--kv-cache-memory: {budget} bytes hold no KV block "
                              f"({self.block_bytes()} bytes each)")
         return int(blocks)
+
+    def _num_gpu_blocks(self) -> int:
+        """Upstream's rule: the pool gets --gpu-memory-utilization of the GPU's total memory
+        less the peak a profiling forward of --max-num-batched-tokens reaches (weights,
+        activations, logits) and what is held outside torch's allocator (CUDA context, other
+        processes)."""
+        sc = self.scheduler_config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        scratch = profile_forward(self.model, sc.max_num_batched_tokens, sc.max_model_len,
+                                  sc.max_num_seqs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        outside = max(total - free - torch.cuda.memory_allocated(), 0)
+        return kv_blocks_for_memory(total, peak + outside,
+                                    self.cache_config.gpu_memory_utilization, self.block_bytes())
 
     @property
     def max_model_len(self) -> int:
@@ -162,6 +213,9 @@ class LLMEngine:
                 for i in range(params.n)]
         for seq in seqs:
             seq.kv_config = kv_config
+            if seq.generator is not None and self.device.type != "cpu":
+                # seeded draws happen on the logits' device, from a generator there
+                seq.generator = torch.Generator(self.device).manual_seed(params.seed + seq.index)
         self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, stream)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -207,25 +261,28 @@ class LLMEngine:
         if sched.scheduled:
             inp = self.runner.prepare_inputs(sched.scheduled,
                                              self.kv.score_request(sched.scheduled))
-            hidden = self.runner.execute(inp)
+            hidden = self.runner.execute(inp)      # on CUDA: starts the statistics' copy back
             self._record_prompt_logprobs(inp.rows, hidden)
             sample_rows = [r for r in inp.rows if r.completes]
+            # the sampler's token read is the step's one host sync; the statistics read after it
+            sampled = self._sample(sample_rows, hidden) if sample_rows else None
             for r in inp.rows:
                 r.seq.num_computed_tokens += r.num_new
             self.kv.after_step(self.runner.step_stats(inp))
             if sample_rows:
-                self._sample(sample_rows, hidden)
+                self._append_tokens(sample_rows, sampled)
             changed.update(r.seq.request_id for r in sample_rows)
         return self._collect_outputs(changed)
 
     @torch.inference_mode()
-    def _sample(self, rows: List[StepRow], hidden: torch.Tensor) -> None:
-        last = torch.tensor([r.start + r.num_new - 1 for r in rows])
-        logits = self.model.compute_logits(hidden[last])
-        out = self.sampler(logits, [SamplingRow(r.seq.params, r.seq.generator,
-                                                r.seq.num_output_tokens, r.seq.eos_token_id,
-                                                r.seq.token_ids)
-                                    for r in rows])
+    def _sample(self, rows: List[StepRow], hidden: torch.Tensor) -> SamplerOutput:
+        logits = self.model.compute_logits(hidden[self.runner.logits_rows(rows)])
+        return self.sampler(logits, [SamplingRow(r.seq.params, r.seq.generator,
+                                                 r.seq.num_output_tokens, r.seq.eos_token_id,
+                                                 r.seq.token_ids)
+                                     for r in rows])
+
+    def _append_tokens(self, rows: List[StepRow], out: SamplerOutput) -> None:
         now = time.monotonic()
         for r, token, lps in zip(rows, out.token_ids, out.logprobs):
             seq = r.seq
@@ -310,7 +367,7 @@ class LLMEngine:
         plan (which GEMM / attention path each batch band uses); logged once at load."""
         from vllm import cpu_kernels
         plan = getattr(self.model, "plan", None)
-        return {"cpu": cpu_kernels.cpu_name(),
+        return {"device": str(self.device), "cpu": cpu_kernels.cpu_name(),
                 "cpu_kernels": cpu_kernels.active_isa() if cpu_kernels.available() else "off",
                 "kernel_plan": plan.as_dict() if plan is not None else None}
 

@@ -6,6 +6,10 @@ All per-row parameters are turned into tensors and applied as batched ops; the
 only per-row Python loop that touches tensors draws the random noise of
 rows that own a seeded ``torch.Generator`` (so that such a row consumes exactly
 the same random numbers whether it runs alone or inside any batch).
+
+On CUDA the only host sync is reading the sampled tokens (`_read_tokens`; logprobs, when
+asked for, are read after it): parameters go up with non-blocking copies from pinned memory,
+and top-p sorts the whole vocabulary instead of retrying with more candidates.
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -43,10 +47,25 @@ class SamplerOutput:
 # --------------------------------------------------------------------------- #
 # helpers
 # --------------------------------------------------------------------------- #
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; off the CPU a non-blocking copy from pinned memory (a plain
+    .to("cuda") or torch.tensor(..., device="cuda") waits for its copy: a host sync)."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def _tensor(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return _upload(torch.tensor(values, dtype=dtype), device)
+
+
 def _index(idx: List[int], device: torch.device) -> torch.Tensor:
     # Row subsets are taken with x[idx]: on CPU, Tensor.index_select(0, ...) on wide
     # rows is pathologically slow with more than one thread.
-    return torch.tensor(idx, dtype=torch.long, device=device)
+    return _tensor(idx, device, torch.long)
+
+
+def _read_tokens(sampled: torch.Tensor) -> List[int]:
+    """The sampled token ids on the host: on CUDA the step's one host sync."""
+    return sampled.tolist()
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -93,21 +112,21 @@ def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
             if tok < vocab:
                 bias_rows.append(j), bias_toks.append(tok), bias_vals.append(val)
     if bias_rows:
-        sub[_index(bias_rows, dev), _index(bias_toks, dev)] += torch.tensor(bias_vals, device=dev)
+        sub[_index(bias_rows, dev), _index(bias_toks, dev)] += _tensor(bias_vals, dev)
 
     def counts(parts: List[torch.Tensor]) -> torch.Tensor:
         # row j's tokens t -> flat bin j * vocab + t: [[5, 5], [2]] -> counts[0, 5] = 2, [1, 2] = 1
         flat = torch.cat([j * vocab + t.clamp(0, vocab - 1) for j, t in enumerate(parts)])
-        return torch.bincount(flat, minlength=n * vocab).view(n, vocab).to(dev)
+        return _upload(torch.bincount(flat, minlength=n * vocab).view(n, vocab), dev)
     toks = [torch.as_tensor(list(rows[i].token_ids), dtype=torch.long) for i in idx]
     generated = [t[len(t) - rows[i].num_generated:] for t, i in zip(toks, idx)]
     params = [rows[i].params for i in idx]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
+    rep = _tensor([p.repetition_penalty for p in params], dev).unsqueeze(1)
     seen = counts(toks) > 0
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     out_counts = counts(generated).to(sub.dtype)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
+    freq = _tensor([p.frequency_penalty for p in params], dev).unsqueeze(1)
+    pres = _tensor([p.presence_penalty for p in params], dev).unsqueeze(1)
     sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
     logits = logits.clone()
     logits[_index(idx, dev)] = sub
@@ -267,15 +286,16 @@ def _random_probs(x: torch.Tensor, params: List[SamplingParams]) -> torch.Tensor
         ks = [top_k[i] for i in pr if 0 < top_k[i] < vocab]
         # rows restricted to top-k only need their k largest probs as candidates
         cand = max(ks) if len(ks) == len(pr) else max([_TOP_P_CANDIDATES] + ks)
-        p_t = torch.tensor([params[i].top_p for i in pr], dtype=probs.dtype,
-                           device=dev).unsqueeze(1)
+        if dev.type != "cpu":      # retrying with more candidates reads a count: a host sync
+            cand = vocab
+        p_t = _tensor([params[i].top_p for i in pr], dev, probs.dtype).unsqueeze(1)
         _apply_top_p(ps, p_t, min(cand, vocab))
         if not all_rows:
             probs.index_copy_(0, pr_t, ps)
 
     # min-p: drop tokens whose prob < min_p * max prob (renormalization-invariant)
     if any(p.min_p > 0.0 for p in params):
-        mp = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)
+        mp = _tensor([p.min_p for p in params], dev, probs.dtype).unsqueeze(1)
         probs.masked_fill_(probs < mp * probs.amax(dim=1, keepdim=True), 0.0)
     return probs
 
@@ -330,7 +350,7 @@ class Sampler:
 
         # fast path: all greedy, no logprobs
         if all(greedy) and not any(want_lp):
-            return SamplerOutput(token_ids=_argmax(logits).tolist(), logprobs=[None] * b)
+            return SamplerOutput(token_ids=_read_tokens(_argmax(logits)), logprobs=[None] * b)
 
         # (3)/(4) sampling
         rand = [i for i in range(b) if not greedy[i]]
@@ -340,8 +360,8 @@ class Sampler:
             all_rand = len(rand) == b
             rand_t = None if all_rand else _index(rand, dev)
             x = logits if all_rand else logits[rand_t]
-            temps = torch.tensor([rows[i].params.temperature for i in rand],
-                                 dtype=torch.float32, device=dev).unsqueeze(1)
+            temps = _tensor([rows[i].params.temperature for i in rand], dev,
+                            torch.float32).unsqueeze(1)
             x = x / temps                                          # new tensor; logits untouched
             probs = _random_probs(x, [rows[i].params for i in rand])
             rand_tok = _draw(probs, [rows[i].generator for i in rand])
@@ -351,7 +371,7 @@ class Sampler:
                 sampled = _argmax(logits)  # greedy rows; random rows overwritten below
                 sampled.index_copy_(0, rand_t, rand_tok)
 
-        token_ids = sampled.tolist()
+        token_ids = _read_tokens(sampled)
 
         # (2) raw logprobs (after min_tokens, before temperature / top-k / top-p / min-p)
         out_lp: List[Optional[Dict[int, Logprob]]] = [None] * b

@@ -12,10 +12,22 @@ every time; after a relocation only their contents change (no recapture). Layout
     views [[5, 9], [7]] -> view_slots [[5, 9, -1, ...], [7, -1, -1, ...], [-1, ...]], lens [2, 1, 0]
 
 Everything past this step's extent is padding, so a graph captured for a larger batch reads
-padding rows. On CUDA the host side is a pinned mirror uploaded with non-blocking copies; the
-mirror is not rewritten before the previous upload has finished.
+padding rows.
+
+Staging. On CUDA a step's values are written into a pinned host mirror and uploaded with
+non-blocking copies on the current stream. There are two mirrors, used in turn:
+
+    step k     write mirror k % 2, upload it, record its event
+    step k+1   write mirror (k+1) % 2 while step k's upload may still be in flight
+    step k+2   mirror k % 2 again: wait for its event (the upload of two steps ago; long done)
+
+so `update` never waits for the previous step's upload. Each upload writes everything up to
+the larger of this and the previous step's extent from the mirror, and every mirror entry it
+sends is rewritten this step, so what a mirror held two steps ago never reaches the device.
+On CPU the host tensors are the buffers (no staging) unless `staging=2` is asked for, which
+runs the same alternation with CPU tensors as mirrors (tests).
 """
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,20 +35,54 @@ import torch
 _TOKEN_PAD = {"input_ids": 0, "positions": 0, "slot_mapping": -1}
 
 
+class _Done:
+    """Stands in for a CUDA event where uploads are synchronous (CPU staging)."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Mirror:
+    """One host copy of every buffer (pinned on CUDA) and the event of its last upload."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_view_len: int, pinned: bool):
+        full = lambda n, v: torch.full((n,), v, dtype=torch.int64, pin_memory=pinned)  # noqa: E731
+        self.tensors: Dict[str, torch.Tensor] = {name: full(max_tokens, pad)
+                                                 for name, pad in _TOKEN_PAD.items()}
+        self.tensors["view_lens"] = full(max_seqs, 0)
+        self.tensors["view_slots"] = full(max_seqs * max_view_len, -1)  # [rows, width] packed
+        self.arrays = {name: t.numpy() for name, t in self.tensors.items()}  # same memory
+        self.uploaded = torch.cuda.Event() if pinned else _Done()
+        self.uses = 0                      # steps written through this mirror
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
 class InputBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_view_len: int, device="cpu"):
+    def __init__(self, max_tokens: int, max_seqs: int, max_view_len: int, device="cpu",
+                 staging: Optional[int] = None):
         self.device = torch.device(device)
         self.max_tokens, self.max_seqs, self.max_view_len = max_tokens, max_seqs, max_view_len
         cuda = self.device.type == "cuda"
-        self._host = {name: torch.full((max_tokens,), pad, dtype=torch.int64, pin_memory=cuda)
-                      for name, pad in _TOKEN_PAD.items()}
-        self._host["view_lens"] = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=cuda)
-        self._host["view_slots"] = torch.full((max_seqs * max_view_len,), -1, dtype=torch.int64,
-                                              pin_memory=cuda)   # staging: [rows, width] packed
-        self._dev = {k: v.to(self.device) if cuda else v for k, v in self._host.items()}
+        staging = (2 if cuda else 0) if staging is None else staging
+        assert staging in (0, 2) and (staging or not cuda), "staging: 0 (CPU only) or 2 mirrors"
+        self.mirrors = [_Mirror(max_tokens, max_seqs, max_view_len, cuda)
+                        for _ in range(staging)]
+        self._turn = 0
+        # the buffers themselves: on the device, or (no staging) the host tensors written directly
+        if self.mirrors:
+            self._dev = {k: torch.empty_like(v, device=self.device).copy_(v)
+                         for k, v in self.mirrors[0].tensors.items()}
+            self._unstaged = None
+        else:
+            self._unstaged = _Mirror(max_tokens, max_seqs, max_view_len, False)
+            self._dev = self._unstaged.tensors
         self.view_slots = torch.full((max_seqs, max_view_len), -1, dtype=torch.int64,
                                      device=self.device)
-        self._uploaded = torch.cuda.Event() if cuda else None
         self.num_tokens = self.num_seqs = self.width = 0
 
     # the buffers a graph captures (full size; rows and tokens past this step are padding)
@@ -55,35 +101,44 @@ class InputBuffers:
             raise ValueError(f"step of {n} tokens, {rows} views of up to {width} slots exceeds "
                              f"the buffers ({self.max_tokens}, {self.max_seqs}, "
                              f"{self.max_view_len})")
-        if self._uploaded is not None:
-            self._uploaded.synchronize()     # the previous upload has read the pinned mirror
+        host = self._next_mirror()
+        a = host.arrays                    # numpy views of the host tensors: no torch op here
         t_hi, r_hi, w_hi = max(n, self.num_tokens), max(rows, self.num_seqs), max(width, self.width)
         for name, values in (("input_ids", input_ids), ("positions", positions),
                              ("slot_mapping", slot_mapping)):
-            host = self._host[name]
-            host[n:t_hi] = _TOKEN_PAD[name]
-            host[:n] = torch.as_tensor(np.asarray(values, dtype=np.int64))
-        self._host["view_lens"][:r_hi] = 0
-        self._host["view_lens"][:rows] = torch.from_numpy(lens)
-        grid = self._host["view_slots"][:r_hi * w_hi].view(r_hi, w_hi).fill_(-1)
-        valid = torch.arange(w_hi)[None, :] < torch.from_numpy(lens)[:, None]
-        if rows:
-            grid[:rows][valid] = torch.from_numpy(np.concatenate(views).astype(np.int64))
-        self._upload(t_hi, r_hi, w_hi)
+            a[name][n:t_hi] = _TOKEN_PAD[name]
+            a[name][:n] = values
+        a["view_lens"][:r_hi] = 0
+        a["view_lens"][:rows] = lens
+        grid = a["view_slots"][:r_hi * w_hi].reshape(r_hi, w_hi)
+        grid.fill(-1)
+        for i, v in enumerate(views):
+            grid[i, :len(v)] = v
+        self._upload(host, t_hi, r_hi, w_hi)
         self.num_tokens, self.num_seqs, self.width = n, rows, width
 
-    def _upload(self, tokens: int, rows: int, width: int) -> None:
-        if self._uploaded is None:          # CPU: the host tensors are the buffers
-            packed = self._host["view_slots"][:rows * width]
-            self.view_slots[:rows, :width] = packed.view(rows, width)
-            return
-        for name in ("input_ids", "positions", "slot_mapping"):
-            self._dev[name][:tokens].copy_(self._host[name][:tokens], non_blocking=True)
-        self._dev["view_lens"][:rows].copy_(self._host["view_lens"][:rows], non_blocking=True)
-        packed = self._dev["view_slots"][:rows * width]
-        packed.copy_(self._host["view_slots"][:rows * width], non_blocking=True)
+    def _next_mirror(self):
+        """The host tensors to write this step: the mirror whose turn it is, once its previous
+        upload (two steps ago) has read it; without staging, the buffers themselves."""
+        if not self.mirrors:
+            return self._unstaged
+        mirror = self.mirrors[self._turn]
+        self._turn = (self._turn + 1) % len(self.mirrors)
+        mirror.uploaded.synchronize()
+        mirror.uses += 1
+        return mirror
+
+    def _upload(self, host, tokens: int, rows: int, width: int) -> None:
+        packed = host["view_slots"][:rows * width]
+        if host is not self._unstaged:
+            for name in ("input_ids", "positions", "slot_mapping"):
+                self._dev[name][:tokens].copy_(host[name][:tokens], non_blocking=True)
+            self._dev["view_lens"][:rows].copy_(host["view_lens"][:rows], non_blocking=True)
+            staged = self._dev["view_slots"][:rows * width]
+            staged.copy_(packed, non_blocking=True)
+            packed = staged
+            host.uploaded.record()         # after the last read of this mirror
         self.view_slots[:rows, :width].copy_(packed.view(rows, width))
-        self._uploaded.record()
 
     def step_inputs(self):
         """This step's extent: (input_ids, positions, slot_mapping, view_slots, view_lens)."""

@@ -9,6 +9,11 @@ Write slots and attention views both come from the token table, never from posit
 The runner is the worker side of the KV plane: it owns the relocation executor, submits the
 copies that come with each scheduler output, reports completed batches, and hands the step's
 attention statistics back as plain arrays (StepStats).
+
+All metadata is built on the cache's device. On CUDA nothing here waits for the device: uploads
+are non-blocking copies from pinned memory, and the step's attention statistics (decode mass,
+prefill column sums) travel back in one non-blocking copy that execute() starts and
+step_stats() reads after the sampler's token read has synchronized.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Set, Tuple
@@ -21,6 +26,7 @@ from vllm.core.reclaim.backend import CopyBatch
 from vllm.core.step_stats import ScoreRequest, SeqStepStats, StepStats
 from vllm.core.token_table import TokenTable
 from vllm.sequence import Sequence
+from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.input_buffers import InputBuffers
 from vllm.worker.relocation import RelocationExecutor
 from vllm.worker.translation_cache import TranslationCache
@@ -49,6 +55,14 @@ class ModelInput:
     meta: AttentionMetadata
     rows: List[StepRow]
     scores: ScoreRequest
+    host_stats: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None  # CUDA: pinned copy
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`: zero-copy on CPU, else a non-blocking copy from pinned memory
+    (the caching host allocator keeps the staging alive until the copy has run)."""
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class ModelRunner:
@@ -56,11 +70,13 @@ class ModelRunner:
                  max_tokens: int, max_seqs: int, max_model_len: int):
         self.model = model
         self.kv_caches = kv_caches
+        self.device = kv_caches.device
         self.token_table = token_table
         self.translation = TranslationCache(token_table)
         # persistent inputs, rewritten in place every step (what CUDA graph replay needs)
         self.buffers = InputBuffers(max_tokens, max_seqs, max_model_len, kv_caches.device)
         self.relocation: Optional[RelocationExecutor] = None     # set where vToken reclaims
+        self.graphs: Optional[CudaGraphRunner] = None    # decode-only steps (CUDA, not eager)
 
     # ---- relocation copies (with the scheduler output) ----------------------------------------
     def relocate(self, copies: Optional[CopyBatch]) -> Set[int]:
@@ -94,7 +110,8 @@ class ModelRunner:
                 span = self._prefill_span(start, n, c, view_ids, view_slots)
                 first = scores.prefill_from.get(seq.seq_id)
                 if first is not None:
-                    span.colsum, span.colsum_from = torch.zeros(len(view_ids)), first
+                    span.colsum = torch.zeros(len(view_ids), device=self.device)
+                    span.colsum_from = first
                 prefill_spans.append(span)
             stats_row = i if is_decode else len(prefill_spans) - 1
             rows.append(StepRow(seq, n, start, view_ids, view_slots, stats_row, is_decode))
@@ -107,33 +124,79 @@ class ModelRunner:
             decode_lens=view_lens, prefills=prefill_spans)
         # a one-token prompt chunk runs as a decode row: its scores come from the decode mass
         if decodes and (scores.decode or any(s.seq_id in scores.prefill_from for s, _ in decodes)):
-            meta.decode_mass = torch.zeros(decode_views.shape, dtype=torch.float32)
+            meta.decode_mass = torch.zeros(decode_views.shape, dtype=torch.float32,
+                                           device=self.device)
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta, rows=rows,
                           scores=scores)
 
-    @staticmethod
-    def _prefill_span(start: int, n: int, computed: int, view_ids: np.ndarray,
+    def _prefill_span(self, start: int, n: int, computed: int, view_ids: np.ndarray,
                       view_slots: np.ndarray) -> PrefillSpan:
+        slots = to_device(view_slots.astype(np.int64, copy=False), self.device)
         mask = None
         if computed > 0 or len(view_ids) != computed + n:
             # query at logical id p sees live keys with id <= p
-            q_ids = np.arange(computed, computed + n)
-            mask = torch.from_numpy(view_ids[None, :] <= q_ids[:, None])
-        return PrefillSpan(start, start + n, torch.from_numpy(view_slots.astype(np.int64)), mask)
+            ids = to_device(view_ids.astype(np.int64, copy=False), self.device)
+            q_ids = torch.arange(computed, computed + n, device=self.device)
+            mask = ids[None, :] <= q_ids[:, None]
+        return PrefillSpan(start, start + n, slots, mask)
+
+    def logits_rows(self, rows: List[StepRow]) -> torch.Tensor:
+        """Each row's last token's index in the flat batch (whose hidden state is sampled)."""
+        return to_device(np.fromiter((r.start + r.num_new - 1 for r in rows), np.int64,
+                                     len(rows)), self.device)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
-        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if self.graphs is not None and self.graphs.accepts(inp):
+            hidden = self.graphs.run(inp, self.relocation)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if self.device.type == "cuda":
+            inp.host_stats = self._start_stats_copy(inp.meta)
+        return hidden
+
+    @staticmethod
+    def _start_stats_copy(meta: AttentionMetadata):
+        """One non-blocking copy of the step's decode mass and column sums into pinned memory."""
+        parts = [meta.decode_mass] if meta.decode_mass is not None else []
+        parts += [s.colsum for s in meta.prefills if s.colsum is not None]
+        if not parts:
+            return None
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def _host_stats(self, inp: ModelInput):
+        """(decode mass [B, Lmax] or None, per prefill span its column sums or None), numpy."""
+        meta = inp.meta
+        if inp.host_stats is None:     # CPU (or nothing collected): the tensors are host memory
+            mass = None if meta.decode_mass is None else meta.decode_mass.numpy()
+            return mass, [None if s.colsum is None else s.colsum.numpy() for s in meta.prefills]
+        host, done = inp.host_stats
+        done.synchronize()             # already complete where the sampler read its tokens
+        flat, at, mass, colsums = host.numpy(), 0, None, []
+        if meta.decode_mass is not None:      # same order as _start_stats_copy
+            at = meta.decode_mass.numel()
+            mass = flat[:at].reshape(meta.decode_mass.shape)
+        for s in meta.prefills:
+            n = 0 if s.colsum is None else s.colsum.numel()
+            colsums.append(None if s.colsum is None else flat[at:at + n])
+            at += n
+        return mass, colsums
 
     def step_stats(self, inp: ModelInput) -> StepStats:
         """The step's attention statistics per sequence, as numpy arrays by view position."""
-        meta, rows = inp.meta, []
+        mass, colsums = self._host_stats(inp)
+        rows = []
         for r in inp.rows:
             scores = None
-            if r.is_decode and meta.decode_mass is not None:
-                scores = meta.decode_mass[r.stats_row, :len(r.view_ids)].numpy()
-            elif not r.is_decode and meta.prefills[r.stats_row].colsum is not None:
-                scores = meta.prefills[r.stats_row].colsum.numpy()
+            if r.is_decode and mass is not None:
+                scores = mass[r.stats_row, :len(r.view_ids)]
+            elif not r.is_decode:
+                scores = colsums[r.stats_row]
             kind = inp.scores.key_statistic.get(r.seq.seq_id)
             keys = None if kind is None else self._key_statistic(r.view_slots, kind)
             rows.append(SeqStepStats(r.seq, r.num_new, r.is_decode, r.view_ids, scores, keys))
@@ -142,11 +205,40 @@ class ModelRunner:
     def _key_statistic(self, view_slots: np.ndarray, kind: str) -> np.ndarray:
         """Per view token, mean over layers and KV heads: "norm" ||k||, or "similarity"
         cos(k, anchor) with the anchor the mean of the view's unit keys (KeyDiff)."""
-        keys = self.kv_caches[:, torch.from_numpy(view_slots.astype(np.int64)), 0].float()
+        slots = to_device(view_slots.astype(np.int64, copy=False), self.device)
+        keys = self.kv_caches[:, slots, 0].float()
         norms = keys.norm(dim=-1, keepdim=True)                      # [layers, n, KVH, 1]
         if kind == "norm":
-            return norms.mean(dim=(0, 2)).flatten().numpy()
+            return norms.mean(dim=(0, 2)).flatten().cpu().numpy()
         unit = keys / norms.clamp_min(1e-12)
         anchor = unit.mean(dim=1, keepdim=True)
         anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        return (unit * anchor).sum(dim=-1).mean(dim=(0, 2)).numpy()
+        return (unit * anchor).sum(dim=-1).mean(dim=(0, 2)).cpu().numpy()
+
+
+@torch.inference_mode()
+def profile_forward(model: torch.nn.Module, num_tokens: int, max_model_len: int,
+                    num_seqs: int) -> int:
+    """The largest step the scheduler can send (num_tokens prompt tokens, in sequences of at most
+    max_model_len; once plain, once collecting column sums as an evicting request does), then
+    logits for num_seqs rows, on a scratch cache of exactly those tokens: what sizing the KV pool
+    measures the peak memory of. Returns the scratch cache's bytes (the pool is not an
+    activation)."""
+    cfg, dev = model.config, model.embed.device
+    kv = torch.zeros(cfg.num_hidden_layers, num_tokens, 2, cfg.num_key_value_heads, cfg.head_dim,
+                     dtype=model.embed.dtype, device=dev)
+    starts = range(0, num_tokens, max_model_len)
+    ends = [min(s + max_model_len, num_tokens) for s in starts]
+    positions = torch.cat([torch.arange(e - s, device=dev) for s, e in zip(starts, ends)])
+    for colsum in (False, True):
+        spans = [PrefillSpan(s, e, torch.arange(s, e, device=dev), None,
+                             torch.zeros(e - s, device=dev) if colsum else None)
+                 for s, e in zip(starts, ends)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=dev), num_decodes=0,
+            decode_views=torch.full((0, 1), -1, dtype=torch.int64, device=dev),
+            decode_lens=torch.zeros(0, dtype=torch.int64, device=dev), prefills=spans)
+        hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=dev), positions, kv,
+                       meta)
+        torch.softmax(model.compute_logits(hidden[:num_seqs]), dim=-1)
+    return kv.numel() * kv.element_size()

@@ -91,6 +91,8 @@ class RelocationExecutor:
         self.backend = backend                 # None: _custom_ops picks (see its table)
         self.check = check
         self.stream = torch.cuda.Stream(kv_caches.device) if kv_caches.is_cuda else None
+        if kv_caches.is_cuda and backend in (None, "cuda"):
+            ops._available("cuda")             # JIT-build the CUDA op now, not at the first copy
         self.copy_time = 0.0                   # host seconds inside submit (CPU: the copy itself)
         self.blocked_time = 0.0                # host seconds blocked waiting for the device
         self.device_time = 0.0                 # device seconds of completed copies (CUDA)

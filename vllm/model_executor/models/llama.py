@@ -6,6 +6,7 @@ In float32 on CPU a KernelPlan (vllm/cpu_kernel_plan.py), timed once at load, pi
 band the GEMM path (C on packed panels, MKL packed, or x @ Wt), the decode attention and whether
 a decode step runs each layer as one C call; each weight is kept only in the layouts it uses.
 """
+import functools
 import math
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -103,17 +104,21 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     raise ValueError(f"--model: rope scaling type {kind!r} is not supported")
 
 
-class Rotary:
-    """cos/sin tables indexed by logical position (positions never change under eviction)."""
+class Rotary(nn.Module):
+    """cos/sin tables indexed by logical position (positions never change under eviction);
+    buffers, so they live on the model's device. Computed in float32 on the CPU, as transformers
+    computes its frequencies, then moved."""
 
-    def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict, dtype):
+    def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict, dtype,
+                 device: torch.device = torch.device("cpu")):
+        super().__init__()
         inv = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv.float())
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.register_buffer("cos", emb.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device=device, dtype=dtype), persistent=False)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -181,12 +186,13 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM and Qwen2ForCausalLM (Qwen2 adds q/k/v biases)."""
 
-    def __init__(self, cfg, weights: Dict[str, torch.Tensor], dtype: torch.dtype, max_pos: int):
+    def __init__(self, cfg, weights: Dict[str, torch.Tensor], dtype: torch.dtype, max_pos: int,
+                 device: torch.device = torch.device("cpu")):
         super().__init__()
         if getattr(cfg, "head_dim", None) is None:
             cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.config = cfg
-        w = {k: v.to(dtype) for k, v in weights.items()}
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         head = w.get("lm_head.weight")
         if head is None or getattr(cfg, "tie_word_embeddings", False):
@@ -198,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         self.lm_head = Linear(head.t(), plan=self.plan)
         theta, scaling = rope_parameters(cfg)
-        self.rotary = Rotary(cfg.head_dim, max_pos, theta, scaling, dtype)
+        self.rotary = Rotary(cfg.head_dim, max_pos, theta, scaling, dtype, device)
         self.eps = cfg.rms_norm_eps
         if self.plan is not None:
             step = self._timed_step if self.layers[0].fused is not None else None
@@ -262,10 +268,13 @@ class LlamaForCausalLM(nn.Module):
         x = x.contiguous()
         mass = meta.decode_mass
         scratch = cpu_kernels.decode_scratch(self.layers[0].fused, x.shape[0], meta.decode_views)
-        for i, layer in enumerate(self.layers):
-            cpu_kernels.decode_layer(layer.fused, x, cos, sin, meta.slot_mapping, kv_caches[i],
-                                     meta.decode_views, meta.decode_lens, mass, scratch)
+        cpu_kernels.decode_layers(self._fused_stack, x, cos, sin, meta.slot_mapping, kv_caches,
+                                  meta.decode_views, meta.decode_lens, mass, scratch)
         return rms_norm(x, self.norm, self.eps)
+
+    @functools.cached_property
+    def _fused_stack(self):
+        return cpu_kernels.layer_stack([layer.fused for layer in self.layers])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
