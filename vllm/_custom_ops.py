@@ -9,6 +9,8 @@
                                                                     vllm/cpu_kernels.py), else
                                                                     torch gather + SDPA
     prefill_attention  xformers if installed, else torch SDPA        torch SDPA (no xformers)
+    prefill_attention_ xformers (block-diagonal causal bias) if       padded torch SDPA (tests; the
+      batched          installed, else one padded torch SDPA call     engine runs spans one by one)
 
 The attention layer (vllm/attention/backend.py) reaches every kernel through these functions.
 
@@ -20,7 +22,10 @@ import contextlib
 import functools
 import importlib.util
 import os
-from typing import Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -218,3 +223,133 @@ def _prefill_xformers(q, k, v, mask, scale):
         bias = padded.masked_fill_(~mask, float("-inf")).expand(1, kvh, g, lq, lk)
     out = xops.memory_efficient_attention(qx, kx, vx, attn_bias=bias, scale=scale)
     return out[0].permute(1, 2, 0, 3).reshape(h, lq, d)
+
+
+# ---- batched prefill: several spans in one attention call ----------------------------------------
+def prefill_backend(device: torch.device) -> str:
+    """The path prefill_batch takes for spans on `device` when no backend is named."""
+    return _pick(None, device.type == "cuda", ("xformers", "torch"))
+
+
+@dataclass
+class PrefillBatch:
+    """Prefill spans as one attention call; built once per step (prefill_batch) and read by
+    every layer. q_rows are the spans' rows of the step's q, span after span; the result of
+    prefill_attention_batched comes back in that order.
+
+    xformers  packed:  q [1, Tq, ...], K/V [1, Tk, ...]; bias xformers'
+              BlockDiagonalCausalFromBottomRightMask from the spans' (q lengths, kv lengths);
+              only spans without an explicit mask.
+    torch     padded:  q [N, H, max_q, D], K/V [N, KVH, max_k, D], bias a bool mask
+              [N, 1, max_q, max_k]: causal from the bottom right (or the span's own mask) and
+              no padding key; a padding query row sees its span's real keys (never a NaN row).
+    """
+    backend: str
+    q_rows: torch.Tensor          # [Tq]
+    kv_slots: torch.Tensor        # cache slots to gather: [Tk] packed, [N * max_k] padded
+    bias: Any
+    pad: Optional[torch.Tensor] = None      # torch: [N * max_q] q rows of the padded layout
+    unpad: Optional[torch.Tensor] = None    # torch: [Tq] real rows' places in the padded layout
+    shape: Tuple[int, int, int] = (0, 0, 0)  # torch: (N, max_q, max_k)
+    additive: dict = field(default_factory=dict, repr=False)   # torch on CUDA: dtype -> bias
+
+
+def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)   # CPU: zero-copy; else pinned + non-blocking (no host sync)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def prefill_batch(bounds: Sequence[Tuple[int, int]], slots: Sequence[torch.Tensor],
+                  masks: Sequence[Optional[torch.Tensor]], backend: str) -> PrefillBatch:
+    """bounds: each span's (q_start, q_end) in the step (host ints); slots: its attention view
+    [Lk]; masks: its [Lq, Lk] bool mask or None (causal, queries the last Lq keys). Only shapes
+    and host ints are read: nothing waits for the device."""
+    device = slots[0].device
+    q_lens = np.array([e - s for s, e in bounds], dtype=np.int64)
+    k_lens = np.array([len(t) for t in slots], dtype=np.int64)
+    # [(4, 7), (0, 2)] -> q_rows [4, 5, 6, 0, 1]
+    q_rows = np.concatenate([np.arange(s, e) for s, e in bounds])
+    cat_slots = torch.cat(list(slots))
+    if backend == "xformers":
+        assert all(m is None for m in masks), "xformers batches only spans without a mask"
+        from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask
+        bias = BlockDiagonalCausalFromBottomRightMask.from_seqlens(
+            q_lens.tolist(), k_lens.tolist(), device=device)
+        return PrefillBatch(backend, _upload(q_rows, device), cat_slots, bias)
+    n, max_q, max_k = len(bounds), int(q_lens.max()), int(k_lens.max())
+    # q_lens [3, 2], max_q 3:  real [[T, T, T], [T, T, F]],  at [[0, 1, 2], [3, 4, 0]]
+    #   q_rows [4, 5, 6, 0, 1] -> pad [4, 5, 6, 0, 1, 4] (a padding row reads q_rows[0]),
+    #   unpad [0, 1, 2, 3, 4] (real rows in the flat padded layout); keys alike over cat_slots
+    real_q = np.arange(max_q)[None, :] < q_lens[:, None]
+    q_at = np.where(real_q, (np.cumsum(q_lens) - q_lens)[:, None] + np.arange(max_q), 0)
+    real_k = np.arange(max_k)[None, :] < k_lens[:, None]
+    k_at = np.where(real_k, (np.cumsum(k_lens) - k_lens)[:, None] + np.arange(max_k), 0)
+    host = np.concatenate([q_rows, q_rows[q_at.ravel()], np.flatnonzero(real_q), k_at.ravel(),
+                           q_lens, k_lens])
+    dev = torch.split(_upload(host, device), [len(q_rows), n * max_q, len(q_rows), n * max_k,
+                                              n, n])
+    rows, pad_t, unpad, k_src, ql, kl = dev
+    i = torch.arange(max_q, device=device)[None, :, None]
+    j = torch.arange(max_k, device=device)[None, None, :]
+    # causal from the bottom right and no padding key; a padding row (i >= Lq) sees all keys
+    mask = (j <= i + (kl - ql)[:, None, None]) & (j < kl[:, None, None])
+    for b, m in enumerate(masks):
+        if m is not None:
+            mask[b, :m.shape[0], :m.shape[1]] = m
+    return PrefillBatch(backend, rows, cat_slots.index_select(0, k_src), mask[:, None], pad_t,
+                        unpad, (n, max_q, max_k))
+
+
+def prefill_attention_batched(q: torch.Tensor, kv: torch.Tensor, batch: PrefillBatch,
+                              scale: float) -> torch.Tensor:
+    """q [T, H, D] the step's queries, kv [len(batch.kv_slots), 2, KVH, D] gathered at
+    batch.kv_slots -> [Tq, H, D] for the rows batch.q_rows, in that order."""
+    h, d = q.shape[1:]
+    if batch.backend == "xformers":
+        return _prefill_varlen_xformers(q.index_select(0, batch.q_rows), kv, batch.bias, scale)
+    n, max_q, _ = batch.shape
+    out = _prefill_padded(q, kv, batch, scale)                   # [N, H, max_q, D]
+    return out.transpose(1, 2).reshape(n * max_q, h, d).index_select(0, batch.unpad)
+
+
+def _prefill_padded(q, kv, batch, scale, expand_kv: Optional[bool] = None):
+    """-> [N, H, max_q, D]. expand_kv (default: on CUDA) repeats K/V per query head and passes
+    the mask as an additive bias: with enable_gqa and a mask, CUDA's SDPA has no fused kernel
+    and falls back to the math one (the whole score matrix in memory)."""
+    n, max_q, max_k = batch.shape
+    h, d = q.shape[1:]
+    kvh = kv.shape[2]
+    qp = q.index_select(0, batch.pad).view(n, max_q, h, d).transpose(1, 2)
+    kv = kv.view(n, max_k, 2, kvh, d)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)   # [N, KVH, max_k, D]
+    if not (q.is_cuda if expand_kv is None else expand_kv):
+        return F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.bias, scale=scale,
+                                              enable_gqa=True)
+    k, v = (t[:, :, None].expand(n, kvh, h // kvh, max_k, d).reshape(n, h, max_k, d)
+            for t in (k, v))
+    return F.scaled_dot_product_attention(qp, k, v, attn_mask=_additive(batch, q.dtype),
+                                          scale=scale)
+
+
+def _additive(batch, dtype):
+    """batch.bias as 0 / -inf in dtype, built once per step; rows padded to 16 keys in storage
+    (the alignment CUDA's memory-efficient kernel wants; SDPA would pad it every call)."""
+    if dtype not in batch.additive:
+        n, max_q, max_k = batch.shape
+        bias = torch.zeros(n, 1, max_q, -(-max_k // 16) * 16, dtype=dtype,
+                           device=batch.bias.device)[..., :max_k]
+        batch.additive[dtype] = bias.masked_fill_(~batch.bias, float("-inf"))
+    return batch.additive[dtype]
+
+
+def _prefill_varlen_xformers(q, kv, bias, scale):
+    import xformers.ops as xops
+    tq, h, d = q.shape
+    tk, _, kvh, _ = kv.shape
+    g = h // kvh
+    # packed 5-d layout [1, tokens, KVH, G, D]; K/V broadcast over the group (stride 0)
+    qx = q.view(1, tq, kvh, g, d)
+    kx = kv[:, 0, :, None].expand(tk, kvh, g, d).unsqueeze(0)
+    vx = kv[:, 1, :, None].expand(tk, kvh, g, d).unsqueeze(0)
+    out = xops.memory_efficient_attention(qx, kx, vx, attn_bias=bias, scale=scale)
+    return out.reshape(tq, h, d)

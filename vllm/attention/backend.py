@@ -2,6 +2,12 @@
 is reached through vllm/_custom_ops.py (the one dispatch point): decode on the C kernel (CPU),
 Triton (CUDA) or torch; prefill on xformers or SDPA; the cache write on Triton or torch.
 
+Prefill on CUDA runs the step's spans as one batched call (AttentionMetadata.prefill_batches):
+xformers' block-diagonal causal bias for spans without an explicit mask when xformers is
+installed; spans with a mask (continued chunks, evicted keys), or every span without xformers,
+in one padded SDPA call. On CPU spans run one by one (the tuned path; prefill_path="batched"
+runs the batched one, for tests). Spans that collect column sums always run alone, tiled.
+
 The KV cache of one layer is a flat array of slots:
 
     kv_cache[layer]   [num_slots, 2, num_kv_heads, head_dim]     slot = block * block_size + offset
@@ -48,6 +54,22 @@ class AttentionMetadata:
     def decode_torch_view(self):
         return ops.torch_decode_view(self.decode_views)
 
+    @functools.cached_property
+    def prefill_batches(self) -> List[ops.PrefillBatch]:
+        """The spans without column sums as at most two batched calls, built on first use (all
+        layers share them): xformers takes the plain-causal spans, padded SDPA the rest."""
+        spans = [s for s in self.prefills if s.colsum is None]
+        if not spans:
+            return []
+        which = ops.prefill_backend(spans[0].kv_slots.device)
+        groups = {"torch": spans}
+        if which == "xformers":
+            groups = {"xformers": [s for s in spans if s.mask is None],
+                      "torch": [s for s in spans if s.mask is not None]}
+        return [ops.prefill_batch([(s.q_start, s.q_end) for s in g], [s.kv_slots for s in g],
+                                  [s.mask for s in g], backend)
+                for backend, g in groups.items() if g]
+
     @property
     def decode_slots(self) -> torch.Tensor:          # [B, Lmax], padding read as slot 0
         return self.decode_torch_view[0]
@@ -61,17 +83,25 @@ write_kv = ops.write_kv      # the model's cache write, beside the attention tha
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, decode_path: Optional[str] = None) -> torch.Tensor:
+                    scale: float, decode_path: Optional[str] = None,
+                    prefill_path: Optional[str] = None) -> torch.Tensor:
     """q [T, H, D] for this step's tokens -> [T, H, D]; their K/V are already in the cache at
     meta.slot_mapping (write_kv, or the C rotary kernel that writes them). decode_path "torch"
-    keeps decode rows off the C kernel (a model's KernelPlan where torch is faster)."""
+    keeps decode rows off the C kernel (a model's KernelPlan where torch is faster).
+    prefill_path "span" or "batched"; default batched on CUDA, span by span on CPU."""
     out = torch.empty_like(q)
     b = meta.num_decodes
     if b:
         out[:b] = _decode(q[:b], kv_cache, meta, scale, decode_path)
+    batched = (prefill_path or ("batched" if q.is_cuda else "span")) == "batched"
     for span in meta.prefills:
-        out[span.q_start:span.q_end] = _prefill(q[span.q_start:span.q_end], kv_cache, span,
-                                                scale)
+        if span.colsum is not None or not batched:
+            out[span.q_start:span.q_end] = _prefill(q[span.q_start:span.q_end], kv_cache, span,
+                                                    scale)
+    if batched:
+        for batch in meta.prefill_batches:
+            kv = kv_cache.index_select(0, batch.kv_slots)      # every span's K/V, one gather
+            out.index_copy_(0, batch.q_rows, ops.prefill_attention_batched(q, kv, batch, scale))
     return out
 
 
