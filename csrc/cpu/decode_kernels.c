@@ -37,6 +37,7 @@
 #endif
 #define PANEL VEC             /* output columns per packed panel: one vector */
 #define AV_VECS 4
+#define PREFETCH_PASSES 8     /* at most this many passes over panels: prefetch the next */
 
 typedef float vec __attribute__((vector_size(4 * VEC)));
 typedef int32_t ivec __attribute__((vector_size(4 * VEC)));
@@ -85,14 +86,17 @@ static inline __attribute__((always_inline)) void store_rows(
 
 static inline __attribute__((always_inline)) void panel_pass(
     const float *x, int64_t K, const float *panel, float *y, int64_t N, int cols,
-    const float *bias, const float *residual, const float *pf, float pf_step, const int rows,
+    const float *bias, const float *residual, const float *pf, int64_t pf_step, const int rows,
     const int width) {
   vec acc[ROWS][2];
   for (int m = 0; m < rows; m++)
     for (int v = 0; v < width; v++) acc[m][v] = splat(0.f);
-  float pf_at = 0.f;
+  /* pf_at: floats into pf, 16.16 fixed point in a general register (a float would take the
+     vector register the 6 x 2 AVX2 block has no room for) */
+  int64_t pf_at = 0;
   for (int64_t k = 0; k < K; k++, pf_at += pf_step) {
-    for (int v = 0; v < width; v++) __builtin_prefetch(pf + (int64_t)pf_at + 16 * v, 0, 2);
+    if (pf)   /* loop-invariant: the compiler unswitches it */
+      for (int v = 0; v < width; v++) __builtin_prefetch(pf + (pf_at >> 16) + 16 * v, 0, 2);
     vec w[2];
     for (int v = 0; v < width; v++) w[v] = load(panel + v * K * PANEL + k * PANEL);
     for (int m = 0; m < rows; m++) {
@@ -162,11 +166,12 @@ void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed,
       float *ym = y + m0 * N + p * PANEL;
       const float *res = residual ? residual + m0 * N + p * PANEL : NULL;
       const int rows = M - m0 < tile ? (int)(M - m0) : (int)tile;
-      /* pass j of `passes` prefetches the j-th share of the next panels into L2, spread over
-         its k loop, so later passes over these panels (from L2) overlap the next stream:
-         2 panels of K = 576 in 3 passes: each prefetches 3,072 floats, 5.33 per k. */
-      const float *pf = next + (m0 / tile) * share;
-      const float pf_step = (float)share / (float)K;
+      /* decode (up to PREFETCH_PASSES passes): pass j prefetches the j-th share of the next
+         panels into L2, spread over its k loop, so later passes over these panels (from L2)
+         overlap the next stream: 2 panels of K = 576 in 3 passes: each prefetches 3,072
+         floats, 5.33 per k. More passes (prefill) are compute-bound: no prefetch at all. */
+      const float *pf = passes <= PREFETCH_PASSES ? next + (m0 / tile) * share : NULL;
+      const int64_t pf_step = (share << 16) / K;
       if (width == 1 && rows <= 3) {
         if (rows == 1) panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 1, 4);
         else if (rows == 2) panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 2, 2);
