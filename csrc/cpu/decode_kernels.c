@@ -37,6 +37,7 @@
 #endif
 #define PANEL VEC             /* output columns per packed panel: one vector */
 #define AV_VECS 4
+#define PREFETCH_KEYS 16      /* attention: keys ahead whose K / V rows are prefetched */
 #define PREFETCH_PASSES 8     /* at most this many passes over panels: prefetch the next */
 
 typedef float vec __attribute__((vector_size(4 * VEC)));
@@ -285,6 +286,12 @@ static void softmax(float *p, int64_t n) {
   for (int64_t j = 0; j < n16; j += VEC) store(p + j, load(p + j) * inv);
 }
 
+/* The cache lines of floats p[0:count] into L1: a key's K or V row is a few lines at a stride of
+   a whole slot (K and V of every KV head), which the hardware prefetchers do not follow. */
+static inline void prefetch_row(const float *p, int64_t count) {
+  for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* out[g][0:vecs vectors] = sum_j p[g][j] * v_j[0:vecs vectors] for g < heads <= AV_HEADS,
    vecs <= AV_VECS; where heads and vecs are constants the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void weigh_values(
@@ -294,6 +301,8 @@ static inline __attribute__((always_inline)) void weigh_values(
   for (int g = 0; g < heads; g++)
     for (int v = 0; v < vecs; v++) acc[g][v] = splat(0.f);
   for (int64_t j = 0; j < n; j++) {
+    if (j + PREFETCH_KEYS < n && slot_row[j + PREFETCH_KEYS] >= 0)
+      prefetch_row(kv + slot_row[j + PREFETCH_KEYS] * row + offset, vecs * VEC);
     if (slot_row[j] < 0) continue;
     const float *val = kv + slot_row[j] * row + offset;
     vec vv[AV_VECS];
@@ -319,6 +328,8 @@ static void attend_group(const float *q, const float *kv, const int64_t *slot_ro
   const int64_t row = 2 * KVH * D;                          /* floats per slot (K and V) */
   for (int64_t j0 = 0; j0 < n; j0 += VEC) {
     int block = n - j0 < VEC ? (int)(n - j0) : VEC;
+    for (int64_t j = j0 + PREFETCH_KEYS; j < j0 + PREFETCH_KEYS + VEC && j < n; j++)
+      if (slot_row[j] >= 0) prefetch_row(kv + slot_row[j] * row + kh * D, D);
     const float *key[VEC];
     for (int j = 0; j < VEC; j++) {  /* padding and lanes past the block read slot 0: unused */
       int64_t slot = j < block ? slot_row[j0 + j] : 0;
