@@ -148,10 +148,15 @@ def hf_decode(model, batch: int, args) -> Dict:
 
 def part_decode(args, out: Dict) -> None:
     res = {b: {} for b in args.batches}
+
+    def save():    # after every measurement: a step cut by its timeout keeps what it measured
+        out["decode"] = {str(b): ratios(dict(r)) for b, r in res.items()}
+        args.save()
     eng = build_engine(args, "vtoken").llm_engine
     for b in args.batches:
         for name in ("Native", "vToken"):
             res[b][name] = engine_decode(eng, VARIANTS[name][1], b, args, f"{name}-{b}")
+            save()
         # indirection: alternate with Native, medians of the step times
         nat, ind = [res[b]["Native"]["step_ms"]], []
         for r in range(args.rounds):
@@ -161,18 +166,21 @@ def part_decode(args, out: Dict) -> None:
                 nat.append(engine_decode(eng, VARIANTS["Native"][1], b, args,
                                          f"nat-{b}-{r}")["step_ms"])
         res[b]["indirection_overhead"] = statistics.median(ind) / statistics.median(nat) - 1
+        save()
     del eng
     release()
     eng = build_engine(args, "none").llm_engine
     for b in args.batches:
         res[b]["Naive-Evict"] = engine_decode(eng, VARIANTS["Naive-Evict"][1], b, args,
                                               f"naive-{b}")
+        save()
     del eng
     release()
     if not args.no_hf:
         model = hf_model(args)
         for b in args.batches:
             res[b]["transformers"] = hf_decode(model, b, args)
+            save()
         del model
         release()
     out["decode"] = {str(b): ratios(r) for b, r in res.items()}
@@ -180,7 +188,7 @@ def part_decode(args, out: Dict) -> None:
 
 
 def ratios(r: Dict) -> Dict:
-    tok = {k: v["tok_s"] for k, v in r.items() if isinstance(v, dict)}
+    tok = {k: v["tok_s"] for k, v in r.items() if isinstance(v, dict) and "tok_s" in v}
     r["ratios"] = {f"{a} / {b}": tok[a] / tok[b] for a, b in (
         ("vToken", "transformers"), ("Native", "transformers"), ("Naive-Evict", "transformers"),
         ("vToken", "Native"), ("vToken", "Naive-Evict")) if a in tok and b in tok}

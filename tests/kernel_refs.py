@@ -66,7 +66,7 @@ def compile_kernels(capability: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm.attention import triton_decode, triton_relocate
+    from vllm.attention import triton_decode, triton_relocate, triton_write_kv
     target = GPUTarget("cuda", capability, 32)
     sizes = {}
     reloc = {"kv_ptr": "*i32", "src_ptr": "*i64", "dst_ptr": "*i64", "num_layers": "i32",
@@ -84,4 +84,27 @@ def compile_kernels(capability: int) -> dict:
         kernel = triton.compile(ASTSource(triton_decode._decode_kernel, sig, constexprs=consts),
                                 target=target)
         sizes[f"decode_{dtype}_mass{int(mass)}"] = len(kernel.asm["cubin"])
+    # split-K decode (what CUDA graph buckets, with their full-width views, run) and the KV
+    # write, in bf16 (the engine's dtype on CUDA)
+    ptrs = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "slots_ptr": "*i64", "lens_ptr": "*i64"}
+    strides = {f"stride_{n}": "i32" for n in ("qb", "qh", "sb", "slot", "kv", "head")}
+    tiles = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=32, BLOCK_D=128)
+    split = {**ptrs, "ml_ptr": "*fp32", "acc_ptr": "*fp32", "scale": "fp32", "min_tiles": "i32",
+             **strides}
+    mass_sig = {**ptrs, "stats_ptr": "*fp32", "part_ptr": "*fp32", "scale": "fp32",
+                "min_tiles": "i32", **strides, "stride_pb": "i32", "stride_ph": "i32"}
+    reduce = {"ml_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "stats_ptr": "*fp32",
+              "num_splits": "i32", "stride_ob": "i32", "stride_oh": "i32"}
+    write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
+             **{f"stride_{n}": "i32" for n in ("kt", "kh", "vt", "vh", "slot", "kv", "head")}}
+    for name, fn, sig, consts in (
+            ("split", triton_decode._split_kernel, split, tiles),
+            ("reduce", triton_decode._reduce_kernel, reduce,
+             dict(D=128, BLOCK_S=32, BLOCK_D=128, WANT_STATS=True)),
+            ("mass", triton_decode._mass_kernel, mass_sig, tiles),
+            ("write_kv", triton_write_kv._write_kv_kernel, write,
+             dict(KVH=8, D=128, BLOCK_H=8, BLOCK_D=128))):
+        kernel = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}},
+                                          constexprs=consts), target=target)
+        sizes[name] = len(kernel.asm["cubin"])
     return sizes

@@ -158,6 +158,7 @@ def test_triton_kernels_compile_for_sm90():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "relocate" in run.stdout and "decode_fp16_mass1" in run.stdout
+    assert all(k in run.stdout for k in ("'split'", "'reduce'", "'mass'", "'write_kv'"))
 
 
 # ---- C decode kernels (vllm/cpu_kernels.py) -----------------------------------------------------

@@ -129,8 +129,10 @@ def test_decode_steps_make_no_host_sync_but_the_token_read(tiny_llama, prompts, 
 
 def test_gpu_memory_utilization_sizes_the_pool(tmp_path):
     """A config-only model whose KV blocks are large enough that a GPU-sized pool stays small
-    on the host: 0.9 gives about 0.4 x total memory more KV than 0.5, and weights + KV stay
-    under the share."""
+    on the host: 0.6 gives about 0.2 x total memory more KV than 0.4, and weights + KV stay
+    under the share. gpu_check.sh runs this beside the capacity benchmark (another process on
+    the GPU, loading 8B-shaped engines): shares of at most 0.6 leave it room, and what other
+    processes hold (the engine's measured `outside`) may change between the two builds."""
     import transformers
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2048,
                                    num_hidden_layers=8, num_attention_heads=8,
@@ -139,13 +141,14 @@ def test_gpu_memory_utilization_sizes_the_pool(tmp_path):
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(tmp_path)
     total = torch.cuda.mem_get_info()[1]
-    blocks = {}
-    for util in (0.5, 0.9):
+    blocks, held = {}, {}
+    for util in (0.4, 0.6):
         gc.collect()
         torch.cuda.empty_cache()
         eng = LLM(str(tmp_path), load_format="dummy", gpu_memory_utilization=util,
                   max_num_seqs=16, max_num_batched_tokens=1024).llm_engine
         blocks[util] = eng.kv.num_blocks
+        held[util] = eng.gpu_memory_profile["outside"] + eng.gpu_memory_profile["peak"]
         kv_bytes = eng.kv_caches.numel() * eng.kv_caches.element_size()
         assert kv_bytes == blocks[util] * eng.block_bytes()
         assert torch.cuda.memory_allocated() <= util * total
@@ -153,5 +156,6 @@ def test_gpu_memory_utilization_sizes_the_pool(tmp_path):
         del eng
     gc.collect()
     torch.cuda.empty_cache()                  # give the pool back before the next test
-    grown = (blocks[0.9] - blocks[0.5]) * block_bytes
-    assert abs(grown - 0.4 * total) < 0.02 * total
+    grown = (blocks[0.6] - blocks[0.4]) * block_bytes
+    expected = 0.2 * total - (held[0.6] - held[0.4])     # others' memory may have changed
+    assert abs(grown - expected) < 0.02 * total

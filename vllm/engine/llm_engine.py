@@ -84,6 +84,7 @@ class LLMEngine:
         else:
             self.model = get_model(model_dir, hf_config, self.model_config.dtype, max_len,
                                    args.load_format, args.seed, self.device)
+        self.gpu_memory_profile: Optional[dict] = None   # CUDA pool sizing (_num_gpu_blocks)
         num_blocks = self._num_kv_blocks()
         cfg = self.model.config
         shape = (1, num_blocks * args.block_size, 2, 1, 1) if self.simulated else \
@@ -180,6 +181,7 @@ class LLMEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         outside = max(total - free - torch.cuda.memory_allocated(), 0)
+        self.gpu_memory_profile = {"total": total, "peak": peak, "outside": outside}
         return kv_blocks_for_memory(total, peak + outside,
                                     self.cache_config.gpu_memory_utilization, self.block_bytes())
 
