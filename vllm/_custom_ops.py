@@ -70,6 +70,15 @@ def _pick(backend: Optional[str], on_cuda: bool, auto: tuple) -> str:
     return next(b for b in auto if _available(b))
 
 
+# ---- host -> device ----------------------------------------------------------------------------
+def to_device(host, device: torch.device) -> torch.Tensor:
+    """A host tensor or numpy array on `device`: as is on the CPU (numpy zero-copy); elsewhere a
+    non-blocking copy from pinned memory (a plain .to("cuda") waits for its copy: a host sync;
+    the caching host allocator keeps the staging alive until the copy has run)."""
+    t = torch.from_numpy(host) if isinstance(host, np.ndarray) else host
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 # ---- relocation ---------------------------------------------------------------------------------
 def relocate_kv(kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                 backend: Optional[str] = None) -> None:
@@ -254,9 +263,6 @@ class PrefillBatch:
     additive: dict = field(default_factory=dict, repr=False)   # torch on CUDA: dtype -> bias
 
 
-def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(a)   # CPU: zero-copy; else pinned + non-blocking (no host sync)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def prefill_batch(bounds: Sequence[Tuple[int, int]], slots: Sequence[torch.Tensor],
@@ -275,7 +281,7 @@ def prefill_batch(bounds: Sequence[Tuple[int, int]], slots: Sequence[torch.Tenso
         from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask
         bias = BlockDiagonalCausalFromBottomRightMask.from_seqlens(
             q_lens.tolist(), k_lens.tolist(), device=device)
-        return PrefillBatch(backend, _upload(q_rows, device), cat_slots, bias)
+        return PrefillBatch(backend, to_device(q_rows, device), cat_slots, bias)
     n, max_q, max_k = len(bounds), int(q_lens.max()), int(k_lens.max())
     # q_lens [3, 2], max_q 3:  real [[T, T, T], [T, T, F]],  at [[0, 1, 2], [3, 4, 0]]
     #   q_rows [4, 5, 6, 0, 1] -> pad [4, 5, 6, 0, 1, 4] (a padding row reads q_rows[0]),
@@ -286,7 +292,7 @@ def prefill_batch(bounds: Sequence[Tuple[int, int]], slots: Sequence[torch.Tenso
     k_at = np.where(real_k, (np.cumsum(k_lens) - k_lens)[:, None] + np.arange(max_k), 0)
     host = np.concatenate([q_rows, q_rows[q_at.ravel()], np.flatnonzero(real_q), k_at.ravel(),
                            q_lens, k_lens])
-    dev = torch.split(_upload(host, device), [len(q_rows), n * max_q, len(q_rows), n * max_k,
+    dev = torch.split(to_device(host, device), [len(q_rows), n * max_q, len(q_rows), n * max_k,
                                               n, n])
     rows, pad_t, unpad, k_src, ql, kl = dev
     i = torch.arange(max_q, device=device)[None, :, None]

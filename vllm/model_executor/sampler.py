@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from vllm._custom_ops import to_device
 from vllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -47,14 +48,8 @@ class SamplerOutput:
 # --------------------------------------------------------------------------- #
 # helpers
 # --------------------------------------------------------------------------- #
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; off the CPU a non-blocking copy from pinned memory (a plain
-    .to("cuda") or torch.tensor(..., device="cuda") waits for its copy: a host sync)."""
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
-
-
 def _tensor(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    return _upload(torch.tensor(values, dtype=dtype), device)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _index(idx: List[int], device: torch.device) -> torch.Tensor:
@@ -117,7 +112,7 @@ def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     def counts(parts: List[torch.Tensor]) -> torch.Tensor:
         # row j's tokens t -> flat bin j * vocab + t: [[5, 5], [2]] -> counts[0, 5] = 2, [1, 2] = 1
         flat = torch.cat([j * vocab + t.clamp(0, vocab - 1) for j, t in enumerate(parts)])
-        return _upload(torch.bincount(flat, minlength=n * vocab).view(n, vocab), dev)
+        return to_device(torch.bincount(flat, minlength=n * vocab).view(n, vocab), dev)
     toks = [torch.as_tensor(list(rows[i].token_ids), dtype=torch.long) for i in idx]
     generated = [t[len(t) - rows[i].num_generated:] for t, i in zip(toks, idx)]
     params = [rows[i].params for i in idx]

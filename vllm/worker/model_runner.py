@@ -21,6 +21,7 @@ from typing import List, Optional, Set, Tuple
 import numpy as np
 import torch
 
+from vllm._custom_ops import to_device
 from vllm.attention.backend import AttentionMetadata, PrefillSpan
 from vllm.core.reclaim.backend import CopyBatch
 from vllm.core.step_stats import ScoreRequest, SeqStepStats, StepStats
@@ -56,13 +57,6 @@ class ModelInput:
     rows: List[StepRow]
     scores: ScoreRequest
     host_stats: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None  # CUDA: pinned copy
-
-
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device`: zero-copy on CPU, else a non-blocking copy from pinned memory
-    (the caching host allocator keeps the staging alive until the copy has run)."""
-    t = torch.from_numpy(a)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class ModelRunner:
