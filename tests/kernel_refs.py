@@ -1,4 +1,7 @@
 """Torch references and small paged-cache scenes shared by tests/test_kernels.py and tests/gpu."""
+import sys
+import types
+
 import torch
 
 BS = 4   # block size of the paged scenes
@@ -108,3 +111,14 @@ def compile_kernels(capability: int) -> dict:
                                           constexprs=consts), target=target)
         sizes[name] = len(kernel.asm["cubin"])
     return sizes
+
+
+def install_fake_xformers(monkeypatch, memory_efficient_attention, **attn_bias_classes):
+    """xformers' module tree in sys.modules with torch stand-ins (its ops do not run on CPU):
+    xformers.ops.memory_efficient_attention and xformers.ops.fmha.attn_bias.<classes>."""
+    ops_mod = types.SimpleNamespace(memory_efficient_attention=memory_efficient_attention)
+    bias_mod = types.SimpleNamespace(**attn_bias_classes)
+    for name, mod in {"xformers": types.SimpleNamespace(ops=ops_mod), "xformers.ops": ops_mod,
+                      "xformers.ops.fmha": types.SimpleNamespace(attn_bias=bias_mod),
+                      "xformers.ops.fmha.attn_bias": bias_mod}.items():
+        monkeypatch.setitem(sys.modules, name, mod)

@@ -1,7 +1,6 @@
 """Batched prefill (one attention call for the step's spans, the CUDA path) against the span by
 span path, on CPU: the padded SDPA layout, and the xformers layout with a torch stand-in for
 memory_efficient_attention (xformers' kernels do not run on CPU)."""
-import sys
 import types
 
 import numpy as np
@@ -11,7 +10,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.attention.backend import AttentionMetadata, PrefillSpan, paged_attention
 from vllm.worker.model_runner import ModelRunner
-from tests.kernel_refs import rel_err
+from tests.kernel_refs import install_fake_xformers, rel_err
 
 H, KVH, D, SLOTS = 6, 2, 16, 96
 
@@ -150,12 +149,8 @@ class _FakeBottomRight:
 
 
 def _fake_xformers(monkeypatch):
-    ops_mod = types.SimpleNamespace(memory_efficient_attention=_mea)
-    bias_mod = types.SimpleNamespace(BlockDiagonalCausalFromBottomRightMask=_FakeBottomRight)
-    for name, mod in {"xformers": types.SimpleNamespace(ops=ops_mod), "xformers.ops": ops_mod,
-                      "xformers.ops.fmha": types.SimpleNamespace(attn_bias=bias_mod),
-                      "xformers.ops.fmha.attn_bias": bias_mod}.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    install_fake_xformers(monkeypatch, _mea,
+                          BlockDiagonalCausalFromBottomRightMask=_FakeBottomRight)
 
 
 def test_xformers_takes_plain_spans_padded_sdpa_the_rest(monkeypatch):

@@ -3,7 +3,6 @@
 import os
 import platform
 import sys
-import types
 
 import pytest
 import torch
@@ -14,8 +13,8 @@ if not torch.cuda.is_available():   # before any triton kernel module is importe
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm import cpu_kernels  # noqa: E402
 from vllm.attention import triton_decode, triton_relocate  # noqa: E402
-from tests.kernel_refs import (decode_reference, moves, paged_scene,  # noqa: E402
-                               prefill_reference, rel_err)
+from tests.kernel_refs import (decode_reference, install_fake_xformers, moves,  # noqa: E402
+                               paged_scene, prefill_reference, rel_err)
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU tensors need the interpreter; tests/gpu runs on CUDA")
@@ -122,12 +121,7 @@ def _fake_xformers(monkeypatch):
         else:
             s = s + attn_bias
         return (torch.softmax(s, -1) @ vh).permute(0, 3, 1, 2, 4)
-    ops_mod = types.SimpleNamespace(memory_efficient_attention=mea)
-    bias_mod = types.SimpleNamespace(LowerTriangularFromBottomRightMask=BottomRight)
-    for name, mod in {"xformers": types.SimpleNamespace(ops=ops_mod), "xformers.ops": ops_mod,
-                      "xformers.ops.fmha": types.SimpleNamespace(attn_bias=bias_mod),
-                      "xformers.ops.fmha.attn_bias": bias_mod}.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    install_fake_xformers(monkeypatch, mea, LowerTriangularFromBottomRightMask=BottomRight)
 
 
 @pytest.mark.parametrize("explicit", [False, True])
