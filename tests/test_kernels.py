@@ -368,6 +368,7 @@ def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
     monkeypatch.setattr(kp, "STREAM_BYTES", 1)          # tiny shapes are timed, on one copy
     monkeypatch.setattr(kp, "CALLS", 1)
     monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
+    monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 0.0)   # as if the host were quiet
     shapes = {(32, 48): 2, (48, 32): 2}
     plan = kp.plan_model(shapes, 4, 2, 16, layers=2)
     assert plan.source == "timed"
@@ -399,6 +400,35 @@ def test_busy_host_gives_the_c_plan_uncached(monkeypatch, tmp_path):
     assert plan.source == "busy" and plan.gemm["32x48"] == ["c"] * len(kp.BANDS)
     kp.choose_decode_layer(plan, lambda m, fused: [lambda: None])
     assert not list(tmp_path.rglob("plan-*.json"))
+
+
+@cpu_built
+def test_plan_timed_beside_other_processes_is_not_cached(monkeypatch, tmp_path):
+    """Kernels timed while another process ran (the test run beside a compiler, say) must not
+    fix a wrong plan for every later load."""
+    from vllm import cpu_kernel_plan as kp
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
+    monkeypatch.setattr(kp, "STREAM_BYTES", 1)
+    monkeypatch.setattr(kp, "CALLS", 1)
+    monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
+    monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 1.0)
+    plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
+    kp.choose_decode_layer(plan, lambda m, fused: [lambda: None])
+    assert plan.source == "contended" and plan.others_cores == 1.0
+    assert not list(tmp_path.rglob("plan-*.json"))
+
+
+def test_others_cpu_counts_another_process():
+    import subprocess
+    from vllm.cpu_kernel_plan import OthersCpu
+    meter = OthersCpu()
+    if meter.start is None:
+        pytest.skip("no /proc/stat")
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                             "while time.time() - t < 1.5: pass"])
+    busy.wait()
+    assert meter.cores() > 0.4          # ~1 core for 1.5 s (whatever else the host runs)
 
 
 @cpu_built

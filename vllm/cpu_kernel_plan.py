@@ -14,7 +14,9 @@ MARGIN faster than that one, at the cost in `as_dict()["extra_weight_bytes"]`.
 
 Timing needs our cores: while other processes hold them (every multi-threaded call then waits a
 scheduler tick) it gives up after a few seconds and runs the C path everywhere, uncached (source
-"busy"). A model whose weights fit in STREAM_BYTES (test models) is bound by per-op overhead, not
+"busy"). A plan timed while other processes used more than OTHERS_MAX_CORES of the host's CPUs
+(/proc/stat against our own CPU time) is used for this run but not cached (source "contended"),
+so a later, quiet load times again. A model whose weights fit in STREAM_BYTES (test models) is bound by per-op overhead, not
 by streaming weights: it runs the C path everywhere, untimed (source "small").
 VLLM_CPU_GEMM=c|mkl|torch forces that GEMM path in every band (mkl: up to 128 rows, torch above)
 and times nothing (tests): attention then runs in C, and the fused layer wherever the GEMM is c.
@@ -48,6 +50,7 @@ MAX_TIMED_COLS = 4096       # wider weights (the LM head) are timed on their fir
 CALLS = 8                   # timed calls per candidate and band (the minimum is kept)
 BUSY_SECONDS = 1e-3         # a near-empty parallel region slower than this: the host is busy
 BUSY_RETRIES = 30           # checks 0.1 s apart before timing gives up (HostBusy)
+OTHERS_MAX_CORES = 0.25     # other processes' mean CPU use while timing above which: not cached
 _LAST = len(BANDS) - 1
 _TOPS = [hi for _, hi in BANDS[:-1]]
 
@@ -73,11 +76,12 @@ class KernelPlan:
     gemm: Dict[str, List[str]]            # shape_name(K, N) -> path per band
     attention: List[str]                  # per band: "c" or "torch"
     decode_layer: List[bool] = field(default_factory=lambda: [False] * len(BANDS))
-    source: str = "timed"                 # "timed", "cache", "forced", "small" or "busy"
+    source: str = "timed"       # "timed", "cache", "forced", "small", "busy" or "contended"
     seconds: float = 0.0                  # time spent timing
     timings_ms: Dict[str, Dict[str, List[float]]] = field(default_factory=dict)
     extra_weight_bytes: int = 0           # bytes kept beyond one layout per weight
     cache_path: str = ""
+    others_cores: Optional[float] = None  # other processes' mean CPU use while timing (OthersCpu)
 
     def gemm_path(self, k: int, n: int, m: int) -> str:
         return self.gemm[shape_name(k, n)][band(m)]
@@ -116,6 +120,34 @@ def _region_seconds() -> float:
         cpu_kernels.packed_gemm(x, w, 16)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+class OthersCpu:
+    """Mean cores other processes (and the hypervisor: steal) used since construction: host busy
+    time from /proc/stat minus this process's CPU time, over the wall time. 2 cores, 10 s: the
+    host was busy 18 s, we used 15 s -> 0.3. None where /proc/stat does not exist."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample() -> Optional[Tuple[float, float, float]]:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+        own = os.times()
+        return busy, own.user + own.system, time.monotonic()
+
+    def cores(self) -> Optional[float]:
+        end = self._sample()
+        if self.start is None or end is None:
+            return None
+        (busy0, own0, t0), (busy1, own1, t1) = self.start, end
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9)
 
 
 def _wait_until_quiet() -> None:
@@ -262,7 +294,7 @@ def plan_model(shapes: Dict[Tuple[int, int], int], heads: int, kv_heads: int, he
 def _timed(common: dict, shapes: Dict[Tuple[int, int], int], attention_shape: Tuple[int, ...],
            layers: int) -> KernelPlan:
     """A plan from timings; the default C plan, not cached, if the host is too busy to time."""
-    t0, bands = time.perf_counter(), len(BANDS)
+    t0, bands, others = time.perf_counter(), len(BANDS), OthersCpu()
     try:
         timings = {shape_name(k, n): _time_gemm(k, n, c) for (k, n), c in shapes.items()}
         timings["attention"] = _time_attention(*attention_shape, layers)
@@ -275,8 +307,10 @@ def _timed(common: dict, shapes: Dict[Tuple[int, int], int], attention_shape: Tu
     attention = [min(("c", "torch"), key=lambda p: timings["attention"][p][b])
                  for b in range(bands)]
     gemm = {name: _choose_gemm(t) for name, t in timings.items() if name != "attention"}
-    return KernelPlan(**common, gemm=gemm, attention=attention, timings_ms=_to_ms(timings),
+    plan = KernelPlan(**common, gemm=gemm, attention=attention, timings_ms=_to_ms(timings),
                       seconds=time.perf_counter() - t0)
+    plan._others = others        # read when choose_decode_layer finishes the timing
+    return plan
 
 
 def choose_decode_layer(plan: KernelPlan,
@@ -303,7 +337,14 @@ def choose_decode_layer(plan: KernelPlan,
     plan.decode_layer += [False] * (len(BANDS) - len(plan.decode_layer))
     plan.timings_ms["decode_layer"] = _to_ms(times)
     plan.seconds += time.perf_counter() - t0
-    _write(plan)
+    others = getattr(plan, "_others", None)
+    plan.others_cores = others and others.cores()
+    if plan.others_cores is not None and plan.others_cores > OTHERS_MAX_CORES:
+        plan.source = "contended"
+        logger.warning("CPU kernel plan: other processes used %.2f cores while kernels were "
+                       "timed; using this plan for this run, not cached", plan.others_cores)
+    else:
+        _write(plan)
     logger.info("CPU kernel plan (%s, %d threads, timed in %.1f s): %s", plan.isa, plan.threads,
                 plan.seconds, summary(plan.as_dict()))
 
