@@ -366,6 +366,7 @@ def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
     monkeypatch.setattr(kp, "STREAM_BYTES", 1)          # tiny shapes are timed, on one copy
+    monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
     monkeypatch.setattr(kp, "CALLS", 1)
     monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
     monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 0.0)   # as if the host were quiet
@@ -393,6 +394,7 @@ def test_busy_host_gives_the_c_plan_uncached(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
     monkeypatch.setattr(kp, "STREAM_BYTES", 1)
+    monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
     monkeypatch.setattr(kp, "BUSY_RETRIES", 1)
     monkeypatch.setattr(kp, "_region_seconds", lambda: 1.0)     # every region waits a tick
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -410,6 +412,7 @@ def test_plan_timed_beside_other_processes_is_not_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
     monkeypatch.setattr(kp, "STREAM_BYTES", 1)
+    monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
     monkeypatch.setattr(kp, "CALLS", 1)
     monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
     monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 1.0)

@@ -33,6 +33,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -45,7 +46,8 @@ BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, N
 TIMED_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)      # each band timed at its largest row count
 GEMM_PATHS = ("c", "mkl", "torch")
 MARGIN = 0.20               # a second layout of a weight must be this much faster in its band
-STREAM_BYTES = 64 << 20     # weights timed on copies of at least this (past L3) while memory-bound
+STREAM_BYTES = 64 << 20     # weights timed on copies of at least this (and of the L3 size, up to
+MAX_STREAM_BYTES = 1 << 30  # this) so that every timed call streams its weight from memory
 MAX_TIMED_COLS = 4096       # wider weights (the LM head) are timed on their first columns
 CALLS = 8                   # timed calls per candidate and band (the minimum is kept)
 BUSY_SECONDS = 1e-3         # a near-empty parallel region slower than this: the host is busy
@@ -175,10 +177,34 @@ def _min_seconds(candidates: Dict[str, Iterator[Callable[[], object]]]) -> Dict[
     return best
 
 
-def _copies(count: int, nbytes: int) -> int:
-    """Distinct weights to cycle through so the timed bytes stream from memory, as in a decode
-    step over all layers (a single small weight would sit in L3 and flatter every path)."""
-    return max(1, min(count, -(-STREAM_BYTES // nbytes)))
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (0 if unknown): 32 MB on our AMD EPYC hosts,
+    480 MB (the whole socket's, shared) on an Intel Xeon one."""
+    sizes = [0]
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        sizes.append(int(digits) * unit if digits.isdigit() else 0)
+    return max(sizes)
+
+
+def pool_bytes() -> int:
+    """Bytes of copies a timed weight cycles through, so that each call streams it from memory,
+    as in a decode step over all layers. A pool smaller than the L3 stays cached and flatters
+    whichever path computes fastest: on the 480 MB-L3 Xeon, x @ W at one row streamed a 64 MB
+    pool at 42-44 GB/s and the C GEMM at 34-37, while from memory (256 MB or more) both ran at
+    28-30 GB/s."""
+    return min(max(STREAM_BYTES, last_level_cache_bytes()), MAX_STREAM_BYTES)
+
+
+def _copies(nbytes: int, available: Optional[int] = None) -> int:
+    """Copies of nbytes that fill pool_bytes() (at most `available`)."""
+    copies = -(-pool_bytes() // nbytes)
+    return max(1, copies if available is None else min(available, copies))
 
 
 def _mkl_pack(wt: torch.Tensor, m: int) -> torch.Tensor:
@@ -195,20 +221,23 @@ def mkl_gemm(x: torch.Tensor, packed: torch.Tensor, rows: int, n: int, k: int) -
     return torch.ops.mkl._mkl_linear(x, packed, stand_in, None, rows)[:m]
 
 
-def _time_gemm(k: int, n: int, count: int) -> Dict[str, List[float]]:
+def _time_gemm(k: int, n: int) -> Dict[str, List[float]]:
     """Seconds per call of each path, per band (inf: not a candidate there). Each path cycles
     through its own copies of the weight, so every call reads a weight evicted from L3."""
     cols = min(n, MAX_TIMED_COLS)
-    ws = [torch.randn(k, cols) for _ in range(_copies(count, 4 * k * cols))]
-    layouts = {"c": itertools.cycle([cpu_kernels.pack_weight(w) for w in ws]),
-               "torch": itertools.cycle(ws)}
+    base = torch.randn(k, cols)
+    ws = [base.clone() for _ in range(_copies(4 * k * cols))]
+    packed = cpu_kernels.pack_weight(base)
+    layouts = {"c": itertools.cycle([packed.clone() for _ in ws]), "torch": itertools.cycle(ws)}
     out = {p: [] for p in GEMM_PATHS}
     for b, m in enumerate(TIMED_ROWS):
         x = torch.randn(m, k)
         calls = {"c": (lambda p=p: cpu_kernels.packed_gemm(x, p, cols) for p in layouts["c"]),
                  "torch": (lambda w=w: x @ w for w in layouts["torch"])}
         if mkl_available() and b != _LAST:               # the last band has no largest m
-            packs = [_mkl_pack(w, m) for w in ws[:max(1, len(ws) // 3)]]   # 3-4x the bytes
+            # 3-4x the bytes: a third as many copies; each packed anew (a clone of MKL's
+            # packed tensor is not a valid packing: _mkl_linear faults on it)
+            packs = [_mkl_pack(base, m) for _ in range(max(1, len(ws) // 3))]
             calls["mkl"] = (lambda p=p: mkl_gemm(x, p, m, cols, k) for p in itertools.cycle(packs))
         best = _min_seconds(calls)
         for p in GEMM_PATHS:
@@ -225,14 +254,13 @@ def _choose_gemm(times: Dict[str, List[float]]) -> List[str]:
             for b, w in enumerate(wins)]
 
 
-def _time_attention(heads: int, kv_heads: int, head_dim: int, layers: int,
-                    context: int = 256) -> Dict[str, List[float]]:
+def _time_attention(heads: int, kv_heads: int, head_dim: int, context: int = 256) -> Dict[str, List[float]]:
     from vllm.attention.backend import AttentionMetadata, _decode
     out = {"c": [], "torch": []}
     for m in TIMED_ROWS:
         slots = m * context
-        kvs = [torch.randn(slots, 2, kv_heads, head_dim)
-               for _ in range(_copies(layers, slots * 2 * kv_heads * head_dim * 4))]
+        base = torch.randn(slots, 2, kv_heads, head_dim)
+        kvs = [base.clone() for _ in range(_copies(base.numel() * 4))]
         views = torch.randperm(slots).view(m, context)
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decodes=m,
                                  decode_views=views, decode_lens=torch.full((m,), context))
@@ -281,7 +309,7 @@ def plan_model(shapes: Dict[Tuple[int, int], int], heads: int, kv_heads: int, he
                           decode_layer=[path == "c"] * _LAST + [False])
     else:
         cache = _cache_path(shapes, (heads, kv_heads, head_dim, layers))
-        plan = _read(cache) or _timed(common, shapes, (heads, kv_heads, head_dim), layers)
+        plan = _read(cache) or _timed(common, shapes, (heads, kv_heads, head_dim))
         plan.cache_path = str(cache)
     plan.extra_weight_bytes = _extra_bytes(plan, shapes)
     if plan.source in ("forced", "small"):
@@ -291,13 +319,13 @@ def plan_model(shapes: Dict[Tuple[int, int], int], heads: int, kv_heads: int, he
     return plan
 
 
-def _timed(common: dict, shapes: Dict[Tuple[int, int], int], attention_shape: Tuple[int, ...],
-           layers: int) -> KernelPlan:
+def _timed(common: dict, shapes: Dict[Tuple[int, int], int],
+           attention_shape: Tuple[int, ...]) -> KernelPlan:
     """A plan from timings; the default C plan, not cached, if the host is too busy to time."""
     t0, bands, others = time.perf_counter(), len(BANDS), OthersCpu()
     try:
-        timings = {shape_name(k, n): _time_gemm(k, n, c) for (k, n), c in shapes.items()}
-        timings["attention"] = _time_attention(*attention_shape, layers)
+        timings = {shape_name(k, n): _time_gemm(k, n) for k, n in shapes}
+        timings["attention"] = _time_attention(*attention_shape)
     except HostBusy:
         logger.warning("CPU kernel plan: host too busy to time kernels (other processes on our "
                        "cores); using the C path everywhere for this run, not cached")

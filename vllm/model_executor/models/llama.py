@@ -227,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         for the first layers (enough that their weights stream from memory), fused or per op."""
         first = self.layers[0]
         layer_bytes = sum(p.numel() * 4 for p in first.parameters())
-        layers = self.layers[:cpu_kernel_plan._copies(len(self.layers), layer_bytes)]
+        layers = self.layers[:cpu_kernel_plan._copies(layer_bytes, len(self.layers))]
         kv = torch.zeros(m * context + m, 2, first.num_kv_heads, first.head_dim)
         meta = AttentionMetadata(slot_mapping=torch.arange(m * context, m * (context + 1)),
                                  num_decodes=m, decode_views=torch.arange(m * context).view(m, -1),
