@@ -422,6 +422,20 @@ def test_plan_timed_beside_other_processes_is_not_cached(monkeypatch, tmp_path):
     assert not list(tmp_path.rglob("plan-*.json"))
 
 
+def test_attention_timing_times_each_path(monkeypatch):
+    """Each candidate's calls run its own path (they once all ran the last one named)."""
+    from vllm import cpu_kernel_plan as kp
+    from vllm.attention import backend
+    ran = []
+    monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
+    monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
+    monkeypatch.setattr(kp, "TIMED_ROWS", (1, 2))
+    monkeypatch.setattr(backend, "_decode", lambda q, kv, meta, scale, path: ran.append(path))
+    times = kp._time_attention(4, 2, 16, context=32)
+    assert set(times) == {"c", "torch"} and all(len(t) == 2 for t in times.values())
+    assert ran.count("c") == ran.count("torch") == 2 * (kp.CALLS + 1)
+
+
 def test_others_cpu_counts_another_process():
     import subprocess
     from vllm.cpu_kernel_plan import OthersCpu

@@ -7,6 +7,8 @@ TIMED_ROWS) on three paths:
            count, so a band it serves gets its own copy, packed for the band's largest row count
            (rows padded up to it), and that copy is 2.7-4.3x the weight's bytes
     torch  x @ Wt, Wt [K, N] contiguous
+Each candidate cycles through copies of its weight (or attention's K/V) filling pool_bytes(), at
+least the L3, so that every timed call streams from memory as in a decode step over all layers.
 Decode attention is timed C vs torch, and on the built model the fused C decode layer
 (cpu_kernels.decode_layer) vs the per-op path. Memory: each weight is kept in the layout of the
 path that wins most of its bands (ties: c); another layout is added only for a band where it is
@@ -16,8 +18,9 @@ Timing needs our cores: while other processes hold them (every multi-threaded ca
 scheduler tick) it gives up after a few seconds and runs the C path everywhere, uncached (source
 "busy"). A plan timed while other processes used more than OTHERS_MAX_CORES of the host's CPUs
 (/proc/stat against our own CPU time) is used for this run but not cached (source "contended"),
-so a later, quiet load times again. A model whose weights fit in STREAM_BYTES (test models) is bound by per-op overhead, not
-by streaming weights: it runs the C path everywhere, untimed (source "small").
+so a later, quiet load times again. A model whose weights fit in STREAM_BYTES (test models) is
+bound by per-op overhead, not by streaming weights: it runs the C path everywhere, untimed
+(source "small").
 VLLM_CPU_GEMM=c|mkl|torch forces that GEMM path in every band (mkl: up to 128 rows, torch above)
 and times nothing (tests): attention then runs in C, and the fused layer wherever the GEMM is c.
 The decision is cached in <cache root>/cpu_kernels/plan-<key>.json, the key naming the kernel
@@ -45,6 +48,7 @@ logger = logging.getLogger(__name__)
 BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, None))
 TIMED_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)      # each band timed at its largest row count
 GEMM_PATHS = ("c", "mkl", "torch")
+TIMING_VERSION = 2          # in the cache key: plans timed the old way (v1: a 64 MB pool) retire
 MARGIN = 0.20               # a second layout of a weight must be this much faster in its band
 STREAM_BYTES = 64 << 20     # weights timed on copies of at least this (and of the L3 size, up to
 MAX_STREAM_BYTES = 1 << 30  # this) so that every timed call streams its weight from memory
@@ -254,21 +258,27 @@ def _choose_gemm(times: Dict[str, List[float]]) -> List[str]:
             for b, w in enumerate(wins)]
 
 
-def _time_attention(heads: int, kv_heads: int, head_dim: int, context: int = 256) -> Dict[str, List[float]]:
+def _time_attention(heads: int, kv_heads: int, head_dim: int,
+                    context: int = 256) -> Dict[str, List[float]]:
     from vllm.attention.backend import AttentionMetadata, _decode
     out = {"c": [], "torch": []}
     for m in TIMED_ROWS:
         slots = m * context
         base = torch.randn(slots, 2, kv_heads, head_dim)
         kvs = [base.clone() for _ in range(_copies(base.numel() * 4))]
-        views = torch.randperm(slots).view(m, context)
+        # the paged cache's layout: blocks of 16 slots in random order, each read in order
+        views = (torch.randperm(slots // 16)[:, None] * 16 + torch.arange(16)).view(m, context)
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decodes=m,
                                  decode_views=views, decode_lens=torch.full((m,), context))
         q = torch.randn(m, heads, head_dim)
-        best = _min_seconds({
-            path: (lambda kv=kv, path=path: _decode(q, kv, meta, 0.125, path)
-                   for kv in itertools.cycle(kvs))
-            for path in out})
+
+        def calls(path: str) -> Iterator[Callable[[], object]]:
+            # a function, so each generator binds its own path (a generator written inline in
+            # a comprehension over paths would read the last path when it runs: every candidate
+            # then timed torch)
+            return (lambda kv=kv: _decode(q, kv, meta, 0.125, path)
+                    for kv in itertools.cycle(kvs))
+        best = _min_seconds({path: calls(path) for path in out})
         for path in out:
             out[path].append(best[path])
     return out
@@ -287,7 +297,7 @@ def _forced() -> Optional[str]:
 def _cache_path(shapes: Dict[Tuple[int, int], int], attention: Tuple[int, ...]) -> "os.PathLike":
     isa = cpu_kernels.active_isa()
     key = json.dumps([cpu_kernels.build_key(isa), isa, torch.get_num_threads(), torch.__version__,
-                      sorted(shapes.items()), attention, BANDS, MARGIN])
+                      sorted(shapes.items()), attention, BANDS, MARGIN, TIMING_VERSION])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return envs.cache_root() / "cpu_kernels" / f"plan-{isa}-{digest}.json"
 
