@@ -345,10 +345,8 @@ def _timed(common: dict, shapes: Dict[Tuple[int, int], int],
     attention = [min(("c", "torch"), key=lambda p: timings["attention"][p][b])
                  for b in range(bands)]
     gemm = {name: _choose_gemm(t) for name, t in timings.items() if name != "attention"}
-    plan = KernelPlan(**common, gemm=gemm, attention=attention, timings_ms=_to_ms(timings),
-                      seconds=time.perf_counter() - t0)
-    plan._others = others        # read when choose_decode_layer finishes the timing
-    return plan
+    return KernelPlan(**common, gemm=gemm, attention=attention, timings_ms=_to_ms(timings),
+                      seconds=time.perf_counter() - t0, others_cores=others.cores())
 
 
 def choose_decode_layer(plan: KernelPlan,
@@ -358,7 +356,7 @@ def choose_decode_layer(plan: KernelPlan,
     step None: the model has no fused layer."""
     if plan.source != "timed":
         return
-    t0 = time.perf_counter()
+    t0, others = time.perf_counter(), OthersCpu()
     times = {"fused": [], "per_op": []}
     try:
         for m in TIMED_ROWS[:_LAST] if step else ():
@@ -375,8 +373,9 @@ def choose_decode_layer(plan: KernelPlan,
     plan.decode_layer += [False] * (len(BANDS) - len(plan.decode_layer))
     plan.timings_ms["decode_layer"] = _to_ms(times)
     plan.seconds += time.perf_counter() - t0
-    others = getattr(plan, "_others", None)
-    plan.others_cores = others and others.cores()
+    layer_cores = others.cores()          # the busier of the two timing windows counts
+    if layer_cores is not None:
+        plan.others_cores = max(plan.others_cores or 0.0, layer_cores)
     if plan.others_cores is not None and plan.others_cores > OTHERS_MAX_CORES:
         plan.source = "contended"
         logger.warning("CPU kernel plan: other processes used %.2f cores while kernels were "
