@@ -38,6 +38,10 @@ class Harness:
         return base[None, :, None, None, None].expand(LAYERS, -1, 2, 1, 2)
 
     def write(self, seq: Sequence, start: int, end: int) -> None:
+        """A forward writing this step's K/V: as in the worker, the step's copies and fences
+        (a request that left with a batch in flight) run first, since its freed blocks may
+        already belong to the request written here."""
+        self.step_copies()
         slots = torch.from_numpy(self.bm.token_table.slots(seq.seq_id, start, end).astype(np.int64))
         self.kv[:, slots] = self.payload(seq, np.arange(start, end))
         seq.num_computed_tokens = end
@@ -71,6 +75,9 @@ class Harness:
     def reclaim(self) -> None:
         """One engine step's worth: plan (after a step), copies (schedule), execute, apply."""
         self.backend.plan_step(self.running)
+        self.step_copies()
+
+    def step_copies(self) -> None:
         self.kvm.copies_done(self.executor.execute(self.kvm.take_copies()))
 
     def remove(self, i: int) -> None:
@@ -140,10 +147,9 @@ def test_delayed_completion_defers_moves_and_frees():
     h.reclaim()                                        # submits; completes 2 steps later
     assert h.backend.in_flight and list(seq.block_ids) == before_blocks
     assert (h.bm.token_table.all_slots(seq.seq_id) == before_slots).all()
-    h.append(0, 1)                                     # decoding continues meanwhile
+    h.append(0, 1)                                     # decoding continues meanwhile: a step
     h.check()
-    h.reclaim()                                        # 1 step left
-    assert h.backend.in_flight
+    assert h.backend.in_flight                         # 1 step left
     h.reclaim()                                        # lands, moves applied, blocks freed
     assert not h.backend.in_flight and len(seq.block_ids) < len(before_blocks)
     h.check()
