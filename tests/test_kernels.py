@@ -236,6 +236,22 @@ def test_packed_gemm_matches_torch(isa, m, k, n):
 
 
 @cpu_built
+@pytest.mark.parametrize("m", [97, 250])
+def test_packed_gemm_row_blocks_in_place(isa, m):
+    """A prefill-sized GEMM runs in row blocks of 256 KB of x (K = 2048: 126 rows with the
+    avx2 tile, 120 with avx512's): block tails, an odd last panel, residual in place."""
+    g = torch.Generator().manual_seed(m)
+    x, w, bias = torch.randn(m, 2048, generator=g), torch.randn(2048, 40, generator=g), \
+        torch.randn(40, generator=g)
+    y = torch.randn(m, 40, generator=g)
+    expect = x.double() @ w.double() + bias.double() + y.double()
+    packed = cpu_kernels.pack_weight(w)
+    cpu_kernels._library().vtok_packed_gemm(x.data_ptr(), m, 2048, packed.data_ptr(), 40,
+                                            bias.data_ptr(), y.data_ptr(), y.data_ptr())
+    assert rel_err(y, expect) < 4e-6        # fp32 sums over K = 2048
+
+
+@cpu_built
 @pytest.mark.parametrize("h,kvh,d", [(4, 2, 16), (8, 1, 64), (3, 3, 32), (9, 3, 128),
                                      (14, 2, 64)])          # 7 query heads per KV head: 4 + 3
 def test_cpu_decode_matches_reference(isa, h, kvh, d):
