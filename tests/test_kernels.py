@@ -13,6 +13,7 @@ if not torch.cuda.is_available():   # before any triton kernel module is importe
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm import cpu_kernels  # noqa: E402
 from vllm.attention import triton_decode, triton_relocate  # noqa: E402
+from vllm.weight_arena import HUGE_PAGE, WeightArena  # noqa: E402
 from tests.kernel_refs import (decode_reference, install_fake_xformers, moves,  # noqa: E402
                                paged_scene, prefill_reference, rel_err)
 
@@ -350,10 +351,44 @@ def test_forced_gemm_paths_agree_and_keep_one_layout(monkeypatch, path):
     lin = Linear(w, bias, plan)
     kept = {"c": lin.packed is not None, "torch": lin.wt is not None, "mkl": bool(lin.mkl)}
     assert kept == {p: p in (path, last) for p in kept}         # only the layouts it uses
+    arena = WeightArena(Linear.arena_floats((40, 70), plan))    # as the model keeps weights
+    in_arena = Linear(w, bias, plan, arena)
+    assert arena.used == arena.numel
     for m in (1, 3, 16, 100, 300):                              # bands incl. padded MKL rows
         x, res = torch.randn(m, 40, generator=g), torch.randn(m, 70, generator=g)
         ref = x.double() @ w.double() + bias.double() + res.double()
         assert rel_err(lin(x, residual=res), ref) < 1e-6
+        assert torch.equal(in_arena(x, residual=res), lin(x, residual=res))
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`, in kB."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            lo, hi = (int(v, 16) for v in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and first == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_weight_arena_hands_out_aligned_slices_on_huge_pages():
+    arena = WeightArena(3 << 20)                                 # 12 MB of floats
+    a, b = arena.take((1 << 20,)), arena.take((2, 1 << 20))
+    assert a.data_ptr() % HUGE_PAGE == 0 and b.data_ptr() == a.data_ptr() + (4 << 20)
+    with pytest.raises(AssertionError, match="sized for fewer"):
+        arena.take((1,))
+    b.fill_(1.0)                                                 # first touch: the pages come
+    assert b.sum().item() == 2 << 20
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    if "[never]" in thp or not arena.advised:
+        pytest.skip(f"transparent huge pages off here ({thp.strip()})")
+    assert _anon_huge_kb(b.data_ptr()) >= 2048                   # 8 MB touched: >= one 2 MB page
 
 
 def test_band_of_rows():

@@ -20,7 +20,7 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -163,16 +163,24 @@ def _panel_width(isa: str) -> int:
     return library(isa).vtok_panel_width()
 
 
-def pack_weight(wt: torch.Tensor) -> torch.Tensor:
-    """wt [K, N] float32 -> panels [ceil(N / PANEL), K, PANEL] (zero columns past N), PANEL =
-    panel_width()."""
-    k, n = wt.shape
+def packed_shape(k: int, n: int) -> Tuple[int, int, int]:
     width = panel_width()
-    panels = -(-n // width)
+    return -(-n // width), k, width
+
+
+def pack_weight(wt: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """wt [K, N] float32 -> panels [ceil(N / PANEL), K, PANEL] (zero columns past N), PANEL =
+    panel_width(); written into `out` (of packed_shape(K, N)) if given."""
+    k, n = wt.shape
+    panels, _, width = packed_shape(k, n)
     padded = torch.zeros(k, panels * width, dtype=torch.float32)
     padded[:, :n] = wt
     # PANEL 8: [K, P * 8] -> [K, P, 8] -> [P, K, 8]: panel p holds columns 8p .. 8p + 7
-    return padded.view(k, panels, width).permute(1, 0, 2).contiguous()
+    panels_view = padded.view(k, panels, width).permute(1, 0, 2)
+    if out is None:
+        return panels_view.contiguous()
+    assert out.shape == panels_view.shape and out.is_contiguous()
+    return out.copy_(panels_view)
 
 
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,

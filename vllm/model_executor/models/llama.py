@@ -17,6 +17,7 @@ from vllm import _custom_ops as ops
 from vllm import cpu_kernel_plan, cpu_kernels
 from vllm.attention.backend import AttentionMetadata, paged_attention, write_kv
 from vllm.cpu_kernel_plan import KernelPlan, band
+from vllm.weight_arena import WeightArena
 
 
 class Linear(nn.Module):
@@ -25,18 +26,31 @@ class Linear(nn.Module):
     "torch" (W as [in, out]). W is kept only in the layouts its paths use; no plan: "torch"."""
 
     def __init__(self, wt: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 plan: Optional[KernelPlan] = None):
+                 plan: Optional[KernelPlan] = None, arena: Optional[WeightArena] = None):
         super().__init__()
         self.in_features, self.out_features = wt.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.paths = plan.gemm[cpu_kernel_plan.shape_name(*wt.shape)] if plan else ["torch"]
+        self.paths = self.paths_for(wt.shape, plan)
         self.wt = self.packed = None
         if "c" in self.paths:
-            self.packed = nn.Parameter(cpu_kernels.pack_weight(wt), requires_grad=False)
+            out = arena.take(cpu_kernels.packed_shape(*wt.shape)) if arena else None
+            self.packed = nn.Parameter(cpu_kernels.pack_weight(wt, out), requires_grad=False)
         if "torch" in self.paths:
-            self.wt = nn.Parameter(wt.contiguous(), requires_grad=False)
+            wt = arena.take(wt.shape).copy_(wt) if arena else wt.contiguous()
+            self.wt = nn.Parameter(wt, requires_grad=False)
         self.mkl = {rows: cpu_kernel_plan._mkl_pack(wt, rows)      # rows -> MKL's packing
                     for rows, path in zip(cpu_kernel_plan.TIMED_ROWS, self.paths) if path == "mkl"}
+
+    @staticmethod
+    def paths_for(shape: Tuple[int, int], plan: Optional[KernelPlan]) -> List[str]:
+        return plan.gemm[cpu_kernel_plan.shape_name(*shape)] if plan else ["torch"]
+
+    @classmethod
+    def arena_floats(cls, shape: Tuple[int, int], plan: Optional[KernelPlan]) -> int:
+        """Floats a weight of this shape takes in a WeightArena (its c and torch layouts)."""
+        paths = cls.paths_for(shape, plan)
+        return (math.prod(cpu_kernels.packed_shape(*shape)) if "c" in paths else 0) + \
+            (math.prod(shape) if "torch" in paths else 0)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         m = x.shape[0]
@@ -125,7 +139,8 @@ class Rotary(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, w: Dict[str, torch.Tensor], p: str, plan: Optional[KernelPlan]):
+    def __init__(self, cfg, w: Dict[str, torch.Tensor], p: str, plan: Optional[KernelPlan],
+                 arena: Optional[WeightArena] = None):
         super().__init__()
         self.plan = plan
         self.num_heads = cfg.num_attention_heads
@@ -136,12 +151,12 @@ class DecoderLayer(nn.Module):
         qkv_b = None
         if f"{p}.self_attn.q_proj.bias" in w:
             qkv_b = torch.cat([w[f"{p}.self_attn.{n}_proj.bias"] for n in "qkv"])
-        self.qkv = Linear(qkv_w, qkv_b, plan)
+        self.qkv = Linear(qkv_w, qkv_b, plan, arena)
         self.o = Linear(w[f"{p}.self_attn.o_proj.weight"].t(), w.get(f"{p}.self_attn.o_proj.bias"),
-                        plan)
+                        plan, arena)
         gate_up = torch.cat([w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"]]).t()
-        self.gate_up = Linear(gate_up, plan=plan)
-        self.down = Linear(w[f"{p}.mlp.down_proj.weight"].t(), plan=plan)
+        self.gate_up = Linear(gate_up, plan=plan, arena=arena)
+        self.down = Linear(w[f"{p}.mlp.down_proj.weight"].t(), plan=plan, arena=arena)
         self.ln1 = nn.Parameter(w[f"{p}.input_layernorm.weight"], requires_grad=False)
         self.ln2 = nn.Parameter(w[f"{p}.post_attention_layernorm.weight"], requires_grad=False)
         self.q_size = self.num_heads * self.head_dim
@@ -197,12 +212,18 @@ class LlamaForCausalLM(nn.Module):
         head = w.get("lm_head.weight")
         if head is None or getattr(cfg, "tie_word_embeddings", False):
             head = w["model.embed_tokens.weight"]
-        self.plan = self._plan(cfg, w, head) if dtype == torch.float32 and \
-            not self.embed.is_cuda and ops.cpu_kernels_enabled() else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w, f"model.layers.{i}", self.plan)
+        shapes = self._gemm_shapes(cfg, w, head)
+        on_cpu = dtype == torch.float32 and not self.embed.is_cuda
+        self.plan = cpu_kernel_plan.plan_model(
+            shapes, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.num_hidden_layers) if on_cpu and ops.cpu_kernels_enabled() else None
+        arena = WeightArena(sum(count * Linear.arena_floats(shape, self.plan)
+                                for shape, count in shapes.items())) if on_cpu else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, f"model.layers.{i}", self.plan, arena)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
-        self.lm_head = Linear(head.t(), plan=self.plan)
+        self.lm_head = Linear(head.t(), plan=self.plan, arena=arena)
+        assert arena is None or arena.used == arena.numel
         theta, scaling = rope_parameters(cfg)
         self.rotary = Rotary(cfg.head_dim, max_pos, theta, scaling, dtype, device)
         self.eps = cfg.rms_norm_eps
@@ -211,8 +232,9 @@ class LlamaForCausalLM(nn.Module):
             cpu_kernel_plan.choose_decode_layer(self.plan, step)
 
     @staticmethod
-    def _plan(cfg, w: Dict[str, torch.Tensor], head: torch.Tensor) -> KernelPlan:
-        """Times (or reads from the cache) the paths for this model's GEMM shapes."""
+    def _gemm_shapes(cfg, w: Dict[str, torch.Tensor],
+                     head: torch.Tensor) -> Dict[Tuple[int, int], int]:
+        """(K, N) of every GEMM weight -> how many the model has."""
         e, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         inter = w["model.layers.0.mlp.gate_proj.weight"].shape[0]
@@ -220,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         for k, n, count in ((e, (heads + 2 * kv_heads) * d, layers), (heads * d, e, layers),
                             (e, 2 * inter, layers), (inter, e, layers), (e, head.shape[0], 1)):
             shapes[(k, n)] = shapes.get((k, n), 0) + count
-        return cpu_kernel_plan.plan_model(shapes, heads, kv_heads, d, layers)
+        return shapes
 
     def _timed_step(self, m: int, fused: bool, context: int = 256) -> List[Callable[[], object]]:
         """For timing: one call per layer of a decode step of m rows with `context` keys each,
