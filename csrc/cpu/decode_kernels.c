@@ -21,18 +21,21 @@
 #define ROWS 16               /* input rows per pass over one panel: ROWS accumulators */
 #define PAIR_ROWS 12          /* rows per pass over two panels: 2 x PAIR_ROWS accumulators */
 #define AV_HEADS 4            /* attention values: heads x vectors of accumulators at a time */
+#define SPLIT_1ROW 1          /* accumulator chains of a one-row pass (see panel_pass_split) */
 #define ISA_NAME "avx512"
 #elif defined(VTOK_ISA_AVX2)
 #define VEC 8
 #define ROWS 12
 #define PAIR_ROWS 6
 #define AV_HEADS 2
+#define SPLIT_1ROW 4
 #define ISA_NAME "avx2"
 #else
 #define VEC 4
 #define ROWS 12
 #define PAIR_ROWS 6
 #define AV_HEADS 2
+#define SPLIT_1ROW 4
 #define ISA_NAME "generic"
 #endif
 #define PANEL VEC             /* output columns per packed panel: one vector */
@@ -108,10 +111,13 @@ static inline __attribute__((always_inline)) void panel_pass(
   store_rows(acc, y, N, cols, bias, residual, rows, width);
 }
 
-/* One panel for 1-3 rows: a single accumulator per row would be one dependent FMA chain (one
-   FMA per FMA latency), too slow to keep up with the weight stream; `split` chains over
-   interleaved k (chain s takes k = s, s + split, ...) are summed at the end. rows 1, split 4:
-   acc[0][0..3], four independent FMAs per four panel rows. */
+/* One panel for 1-3 rows: a single accumulator per row is one dependent FMA chain (one FMA
+   per FMA latency), too slow to keep up with the weight stream of 32-byte panel rows on the
+   AMD host; `split` chains over interleaved k (chain s takes k = s, s + split, ...) are summed
+   at the end. rows 1, split 4: acc[0][0..3], four independent FMAs per four panel rows. One
+   64-byte row per FMA keeps up with a single chain: on the AVX-512 Xeon, split 1 streamed one
+   row at 33-34 GB/s and splits 2-4 at 29-30 (batch-1 decode 52 -> 57 tok/s), so SPLIT_1ROW is
+   1 there. */
 static inline __attribute__((always_inline)) void panel_pass_split(
     const float *x, int64_t K, const float *panel, float *y, int64_t N, int cols,
     const float *bias, const float *residual, const float *pf, const int rows,
@@ -178,7 +184,7 @@ static void panel_rows(const float *x, int64_t M, int64_t K, const float *packed
     const float *pf = passes <= PREFETCH_PASSES ? next + (m0 / tile) * share : NULL;
     const int64_t pf_step = (share << 16) / K;
     if (width == 1 && rows <= 3) {
-      if (rows == 1) panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 1, 4);
+      if (rows == 1) panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 1, SPLIT_1ROW);
       else if (rows == 2) panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 2, 2);
       else panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 3, 2);
     } else if (width == 1) {
