@@ -294,10 +294,17 @@ def _forced() -> Optional[str]:
     return None if forced == "auto" else forced
 
 
+# what limits the instruction sets of torch's own kernels (the mkl and torch candidates): a plan
+# timed with MKL held to AVX2 does not hold for an unrestricted one
+TORCH_ISA_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE",
+                 "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
 def _cache_path(shapes: Dict[Tuple[int, int], int], attention: Tuple[int, ...]) -> "os.PathLike":
     isa = cpu_kernels.active_isa()
     key = json.dumps([cpu_kernels.build_key(isa), isa, torch.get_num_threads(), torch.__version__,
-                      sorted(shapes.items()), attention, BANDS, MARGIN, TIMING_VERSION])
+                      sorted(shapes.items()), attention, BANDS, MARGIN, TIMING_VERSION,
+                      [os.environ.get(name) for name in TORCH_ISA_ENV]])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return envs.cache_root() / "cpu_kernels" / f"plan-{isa}-{digest}.json"
 
