@@ -11,7 +11,8 @@ Peer mode (--llamacpp DIR): our server (default model, no eviction) and llama.cp
 1, 8, 32) both get the same closed-loop waves from the peer scripts' load_client.py: C concurrent
 requests of --prompt-len token ids, --output-len new tokens each (greedy, EOS ignored), all awaited,
 repeated --waves times; aggregate tok/s = generated tokens / wave time, median over waves. The
-servers are measured one at a time, in alternating order per level, with the other one idle.
+servers take turns wave by wave (pairs in ABBA order), each with the other one idle, so a drift of
+the shared host moves both alike; paired_ratio is the median of the per-pair ratios.
 
     python benchmarks/benchmark_serving.py --quick
     python benchmarks/benchmark_serving.py --url http://127.0.0.1:8000   # scan a running server
@@ -23,6 +24,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,9 +178,36 @@ def load_waves(kind, port, conc, waves, prompts_file, new, peer_scripts):
         return json.load(open(out.name))
 
 
+def wave_order(waves: int):
+    """Which server runs each wave: pairs in ABBA order, so a host whose memory bandwidth drifts
+    (a shared VM: 25-45 GB/s between minutes) moves both alike. 3 -> ours llamacpp, llamacpp
+    ours, ours llamacpp."""
+    pairs = [("ours", "llamacpp") if i % 2 == 0 else ("llamacpp", "ours") for i in range(waves)]
+    return [name for pair in pairs for name in pair]
+
+
+def measure_level(servers, c, waves, prompts_file, olen, peer_scripts):
+    """One client level: `waves` single waves per server, interleaved (wave_order). ratio =
+    median ours / median llama-server; paired_ratio = median of the per-pair ratios."""
+    got = {"ours": [], "llamacpp": []}
+    for name in wave_order(waves):
+        kind, srv = servers[name]
+        got[name] += load_waves(kind, srv.port, c, 1, prompts_file, olen, peer_scripts)["waves"]
+    row = {"C": c, "waves": waves}
+    for name, ws in got.items():
+        row[f"{name}_tok_s"] = statistics.median(w["agg_tok_s"] for w in ws)
+        row[f"{name}_lat_s"] = statistics.median(w["lat_median_s"] for w in ws)
+        row[f"{name}_waves"] = ws
+        each = " ".join(f"{w['agg_tok_s']:.1f}" for w in ws)
+        print(f"    C={c} {name}: {row[name + '_tok_s']:.1f} tok/s (waves {each})", flush=True)
+    row["ratio"] = row["ours_tok_s"] / row["llamacpp_tok_s"]
+    row["paired_ratio"] = statistics.median(
+        a["agg_tok_s"] / b["agg_tok_s"] for a, b in zip(got["ours"], got["llamacpp"]))
+    return row
+
+
 def peer_main(args):
     """Ours vs llama-server, same closed-loop waves, ratio per client level."""
-    import statistics
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # run the servers' __exit__
     levels = args.levels or ([1, 8] if args.quick else [1, 8, 32])
     waves = args.waves or (2 if args.quick else 3)
@@ -214,32 +243,18 @@ def peer_main(args):
         idle = {name: idle_cpu(srv.proc.pid) for name, (_, srv) in servers.items()}
         print(f"  idle CPU (cores): ours {idle['ours']:.2f}, llama-server {idle['llamacpp']:.2f}",
               flush=True)
-        rows = []
-        for i, c in enumerate(levels):
-            order = ["ours", "llamacpp"] if i % 2 == 0 else ["llamacpp", "ours"]
-            res = {}
-            for name in order:
-                kind, srv = servers[name]
-                res[name] = load_waves(kind, srv.port, c, waves, pfile.name, olen,
-                                       args.peer_scripts)
-                print(f"    C={c} {name}: {res[name]['agg_tok_s_median']:.1f} tok/s", flush=True)
-            row = {"C": c, "waves": waves}
-            for name in ("ours", "llamacpp"):
-                row[f"{name}_tok_s"] = res[name]["agg_tok_s_median"]
-                row[f"{name}_lat_s"] = statistics.median(
-                    w["lat_median_s"] for w in res[name]["waves"])
-                row[f"{name}_waves"] = res[name]["waves"]
-            row["ratio"] = row["ours_tok_s"] / row["llamacpp_tok_s"]
-            rows.append(row)
+        rows = [measure_level(servers, c, waves, pfile.name, olen, args.peer_scripts)
+                for c in levels]
         with open(peer.log.name, errors="replace") as f:   # own offset: the server writes on
             system_info = common.llamacpp_system_info(f.read())
     title = (f"Serving vs llama-server: closed-loop waves of C clients, {plen}-token prompts + "
-             f"{olen} new tokens, aggregate generated tok/s (median of {waves} waves), "
-             f"ratio = ours / llama-server; default model, fp32 (llama.cpp: F32 GGUF), "
+             f"{olen} new tokens, aggregate generated tok/s (median of {waves} waves, the servers "
+             f"taking turns), ratio = ours / llama-server, paired = median per-pair ratio; default model, fp32 (llama.cpp: F32 GGUF), "
              f"{args.threads} threads each\nCPU: {info['cores']}-core {info['cpu']}, "
              f"ISA of our C kernels {info['isa']}; llama.cpp {build}"
              + (f"; llama.cpp system_info: {system_info}" if system_info else ""))
-    text = common.table(rows, ["C", "ours_tok_s", "llamacpp_tok_s", "ratio", "ours_lat_s",
+    text = common.table(rows, ["C", "ours_tok_s", "llamacpp_tok_s", "ratio", "paired_ratio",
+                               "ours_lat_s",
                                "llamacpp_lat_s"], title)
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5, 3.2))
