@@ -231,9 +231,11 @@ def test_packed_gemm_matches_torch(isa, m, k, n):
         torch.randn(n, generator=g)
     res = torch.randn(m, n, generator=g)
     packed = cpu_kernels.pack_weight(w)
-    assert rel_err(cpu_kernels.packed_gemm(x, packed, n), x.double() @ w.double()) < 1e-6
-    assert rel_err(cpu_kernels.packed_gemm(x, packed, n, bias, res),
-                   x.double() @ w.double() + bias.double() + res.double()) < 1e-6
+    for prefetch in (True, False):
+        assert rel_err(cpu_kernels.packed_gemm(x, packed, n, prefetch=prefetch),
+                       x.double() @ w.double()) < 1e-6
+        assert rel_err(cpu_kernels.packed_gemm(x, packed, n, bias, res, prefetch),
+                       x.double() @ w.double() + bias.double() + res.double()) < 1e-6
 
 
 @cpu_built
@@ -248,7 +250,7 @@ def test_packed_gemm_row_blocks_in_place(isa, m):
     expect = x.double() @ w.double() + bias.double() + y.double()
     packed = cpu_kernels.pack_weight(w)
     cpu_kernels._library().vtok_packed_gemm(x.data_ptr(), m, 2048, packed.data_ptr(), 40,
-                                            bias.data_ptr(), y.data_ptr(), y.data_ptr())
+                                            bias.data_ptr(), y.data_ptr(), y.data_ptr(), 1)
     assert rel_err(y, expect) < 4e-6        # fp32 sums over K = 2048
 
 
@@ -424,7 +426,7 @@ def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
     shapes = {(32, 48): 2, (48, 32): 2}
     plan = kp.plan_model(shapes, 4, 2, 16, layers=2)
     assert plan.source == "timed"
-    kp.choose_decode_layer(plan, lambda m, fused: [lambda: None])
+    kp.choose_decode_layer(plan, lambda m, fused, prefetch: [lambda: None])
     d = kp.decisions()
     assert json.loads(json.dumps(d)) == d
     assert set(d["gemm"]) == {"32x48", "48x32"} and len(d["bands"]) == len(kp.BANDS)
@@ -444,6 +446,34 @@ def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
 
 
 @cpu_built
+def test_plan_keeps_the_faster_prefetch_setting_per_band(monkeypatch, tmp_path):
+    """One row streams faster without the next-panel prefetch, more rows with it (as on the
+    AMD EPYC Zen 4 host): the plan turns it off in band 0 only, and both the fused layer and
+    the C GEMMs of that band follow it."""
+    import time
+    from vllm import cpu_kernel_plan as kp
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
+    monkeypatch.setattr(kp, "STREAM_BYTES", 1)
+    monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
+    monkeypatch.setattr(kp, "CALLS", 2)
+    monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
+    monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 0.0)
+    plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
+
+    def step(m, fused, prefetch):
+        fast = fused and prefetch == (m > 1)
+        return [lambda: time.sleep(0.001 if fast else 0.004)]
+    kp.choose_decode_layer(plan, step)
+    assert plan.prefetch == [False] + [True] * (len(kp.BANDS) - 1)
+    assert plan.decode_layer == [True] * (len(kp.BANDS) - 1) + [False]
+    assert not plan.prefetch_next(1) and plan.prefetch_next(4) and plan.prefetch_next(300)
+    assert "prefetch 0 1 1" in kp.summary(plan.as_dict())
+    again = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)     # the cached plan keeps it
+    assert again.source == "cache" and again.prefetch == plan.prefetch
+
+
+@cpu_built
 def test_busy_host_gives_the_c_plan_uncached(monkeypatch, tmp_path):
     from vllm import cpu_kernel_plan as kp
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
@@ -455,7 +485,7 @@ def test_busy_host_gives_the_c_plan_uncached(monkeypatch, tmp_path):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
     assert plan.source == "busy" and plan.gemm["32x48"] == ["c"] * len(kp.BANDS)
-    kp.choose_decode_layer(plan, lambda m, fused: [lambda: None])
+    kp.choose_decode_layer(plan, lambda m, fused, prefetch: [lambda: None])
     assert not list(tmp_path.rglob("plan-*.json"))
 
 
@@ -472,7 +502,7 @@ def test_plan_timed_beside_other_processes_is_not_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
     monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 1.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
-    kp.choose_decode_layer(plan, lambda m, fused: [lambda: None])
+    kp.choose_decode_layer(plan, lambda m, fused, prefetch: [lambda: None])
     assert plan.source == "contended" and plan.others_cores == 1.0
     assert not list(tmp_path.rglob("plan-*.json"))
 
@@ -541,8 +571,10 @@ def test_decode_layer_matches_the_torch_path(isa, monkeypatch, gemm):
 
 
 @cpu_built
-def test_decode_layers_is_one_call_per_layer_in_order(isa, monkeypatch):
-    """The stacked call equals decode_layer applied layer by layer, each on its own cache."""
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_decode_layers_is_one_call_per_layer_in_order(isa, monkeypatch, prefetch):
+    """The stacked call equals decode_layer applied layer by layer, each on its own cache; the
+    next-panel prefetch (on for the reference) changes no bit of it."""
     from vllm.model_executor.models.llama import DecoderLayer, Rotary
     cfg, w, x, positions, kv, meta = _layer_scene()
     rotary = Rotary(16, 128, 10000.0, {"rope_type": "default"}, torch.float32)
@@ -557,8 +589,9 @@ def test_decode_layers_is_one_call_per_layer_in_order(isa, monkeypatch):
     out, kvs = x.clone(), torch.stack([kv.clone(), kv.clone() * 0.5])
     cpu_kernels.decode_layers(cpu_kernels.layer_stack([layer.fused] * 2), out, cos, sin,
                               meta.slot_mapping, kvs, meta.decode_views, meta.decode_lens, None,
-                              scratch)
+                              scratch, prefetch)
     assert torch.equal(out, ref) and torch.equal(kvs, ref_kv)
+
 
 def test_write_kv_skips_padding_slots():
     """slot -1 is padding (fixed-size batches): nothing is written, the pool's last slot kept."""

@@ -10,7 +10,10 @@ TIMED_ROWS) on three paths:
 Each candidate cycles through copies of its weight (or attention's K/V) filling pool_bytes(), at
 least the L3, so that every timed call streams from memory as in a decode step over all layers.
 Decode attention is timed C vs torch, and on the built model the fused C decode layer
-(cpu_kernels.decode_layer) vs the per-op path. Memory: each weight is kept in the layout of the
+(cpu_kernels.decode_layer) with and without the C GEMM's next-panel prefetch vs the per-op path:
+`prefetch` per band is what the C GEMMs then use in that band (the prefetch overlaps the weight
+stream with the arithmetic at 8-16 rows, but at one row on the AMD EPYC Zen 4 host it slowed the
+stream by 9-22%). Memory: each weight is kept in the layout of the
 path that wins most of its bands (ties: c); another layout is added only for a band where it is
 MARGIN faster than that one, at the cost in `as_dict()["extra_weight_bytes"]`.
 
@@ -48,7 +51,8 @@ logger = logging.getLogger(__name__)
 BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, None))
 TIMED_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)      # each band timed at its largest row count
 GEMM_PATHS = ("c", "mkl", "torch")
-TIMING_VERSION = 2          # in the cache key: plans timed the old way (v1: a 64 MB pool) retire
+TIMING_VERSION = 3          # in the cache key: plans timed the old way retire (v1: a 64 MB pool,
+                            # v2: no prefetch choice)
 MARGIN = 0.20               # a second layout of a weight must be this much faster in its band
 STREAM_BYTES = 64 << 20     # weights timed on copies of at least this (and of the L3 size, up to
 MAX_STREAM_BYTES = 1 << 30  # this) so that every timed call streams its weight from memory
@@ -82,6 +86,7 @@ class KernelPlan:
     gemm: Dict[str, List[str]]            # shape_name(K, N) -> path per band
     attention: List[str]                  # per band: "c" or "torch"
     decode_layer: List[bool] = field(default_factory=lambda: [False] * len(BANDS))
+    prefetch: List[bool] = field(default_factory=lambda: [True] * len(BANDS))
     source: str = "timed"       # "timed", "cache", "forced", "small", "busy" or "contended"
     seconds: float = 0.0                  # time spent timing
     timings_ms: Dict[str, Dict[str, List[float]]] = field(default_factory=dict)
@@ -97,6 +102,10 @@ class KernelPlan:
 
     def use_decode_layer(self, m: int) -> bool:
         return self.decode_layer[band(m)]
+
+    def prefetch_next(self, m: int) -> bool:
+        """Whether the C GEMMs of an m-row step prefetch their next panels."""
+        return self.prefetch[band(m)]
 
     def as_dict(self) -> dict:
         """JSON-able: bands as [lo, hi] (hi None = unbounded) and every choice per band."""
@@ -356,19 +365,23 @@ def _timed(common: dict, shapes: Dict[Tuple[int, int], int],
                       seconds=time.perf_counter() - t0, others_cores=others.cores())
 
 
-def choose_decode_layer(plan: KernelPlan,
-                        step: Optional[Callable[[int, bool], List[Callable[[], object]]]]) -> None:
-    """Time step(m, fused) -- callables that each run one layer of an m-row decode step, fused
-    in C or per op -- at each band up to 128 rows; keep the faster; cache the plan.
-    step None: the model has no fused layer."""
+def choose_decode_layer(plan: KernelPlan, step: Optional[Callable[[int, bool, bool],
+                                                                  List[Callable[[], object]]]]):
+    """Time step(m, fused, prefetch) -- callables that each run one layer of an m-row decode
+    step, fused in C or per op, the C GEMMs prefetching their next panels or not -- at each band
+    up to 128 rows: the fused layer with and without prefetch, and the per-op path with it. Keep
+    the faster prefetch setting of the fused layer and the faster of fused and per op; cache the
+    plan. step None: the model has no fused layer (prefetch stays on)."""
     if plan.source != "timed":
         return
     t0, others = time.perf_counter(), OthersCpu()
-    times = {"fused": [], "per_op": []}
+    variants = {"fused": (True, True), "fused_no_prefetch": (True, False),
+                "per_op": (False, True)}
+    times = {name: [] for name in variants}
     try:
         for m in TIMED_ROWS[:_LAST] if step else ():
-            best = _min_seconds({"fused": itertools.cycle(step(m, True)),
-                                 "per_op": itertools.cycle(step(m, False))})
+            best = _min_seconds({name: itertools.cycle(step(m, *args))
+                                 for name, args in variants.items()})
             for name in times:
                 times[name].append(best[name])
     except HostBusy:
@@ -376,8 +389,12 @@ def choose_decode_layer(plan: KernelPlan,
                        "fused C layer, not cached")
         plan.decode_layer, plan.source = [True] * _LAST + [False], "busy"
         return
-    plan.decode_layer = [f < p for f, p in zip(times["fused"], times["per_op"])]
-    plan.decode_layer += [False] * (len(BANDS) - len(plan.decode_layer))
+    pad = len(BANDS) - len(times["fused"])
+    plan.prefetch = [on <= off for on, off in zip(times["fused"], times["fused_no_prefetch"])]
+    plan.prefetch += [True] * pad
+    plan.decode_layer = [min(on, off) < p for on, off, p in
+                         zip(times["fused"], times["fused_no_prefetch"], times["per_op"])]
+    plan.decode_layer += [False] * pad
     plan.timings_ms["decode_layer"] = _to_ms(times)
     plan.seconds += time.perf_counter() - t0
     layer_cores = others.cores()          # the busier of the two timing windows counts
@@ -395,10 +412,11 @@ def choose_decode_layer(plan: KernelPlan,
 
 def summary(plan: dict) -> str:
     """An as_dict() plan in one line: 'gemm 576x960 c c c c c c c c; attention c ...;
-    decode_layer 1 1 ... (bands 1 4 ... 256 rows)'."""
+    decode_layer 1 1 ...; prefetch 0 1 ... (bands 1 4 ... 256 rows)'."""
     rows = [f"gemm {name} {' '.join(paths)}" for name, paths in plan["gemm"].items()]
     rows.append(f"attention {' '.join(plan['attention'])}")
     rows.append(f"decode_layer {' '.join(str(int(f)) for f in plan['decode_layer'])}")
+    rows.append(f"prefetch {' '.join(str(int(f)) for f in plan['prefetch'])}")
     return "; ".join(rows) + f" (bands {' '.join(str(m) for m in TIMED_ROWS)} rows)"
 
 

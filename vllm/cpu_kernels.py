@@ -40,7 +40,7 @@ _CFLAGS = {"avx512": ["-DVTOK_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512v
                       "-mavx512dq", "-mavx2", "-mfma", "-mtune=native"],
            "avx2": ["-DVTOK_ISA_AVX2", "-mavx2", "-mfma", "-mtune=native"], "generic": []}
 
-_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
 
 class LayerWeights(ctypes.Structure):
@@ -125,7 +125,7 @@ def library(isa: str) -> Optional[ctypes.CDLL]:
         return None
     lib.vtok_panel_width.restype = ctypes.c_int
     lib.vtok_isa.restype = ctypes.c_char_p
-    lib.vtok_packed_gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
+    lib.vtok_packed_gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int]
     lib.vtok_packed_gemm.restype = None
     lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                                           _f32, _ptr, _i64, _ptr, _ptr, _i64]
@@ -138,9 +138,9 @@ def library(isa: str) -> Optional[ctypes.CDLL]:
     lib.vtok_decode_layer_scratch.argtypes = [layer, _i64, _i64]
     lib.vtok_decode_layer_scratch.restype = _i64
     lib.vtok_decode_layer.argtypes = [layer, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
-                                      _i64, _ptr, _i64, _ptr]
+                                      _i64, _ptr, _i64, _ptr, _int]
     lib.vtok_decode_layers.argtypes = [layer, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
-                                       _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr]
+                                       _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int]
     assert lib.vtok_isa().decode() == isa
     return lib
 
@@ -185,9 +185,10 @@ def pack_weight(wt: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
 
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
                 bias: Optional[torch.Tensor] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                residual: Optional[torch.Tensor] = None, prefetch: bool = True) -> torch.Tensor:
     """x [M, K] float32 @ the [K, n] weight that `packed` holds (+ bias [n])
-    (+ residual [M, n]) -> [M, n]."""
+    (+ residual [M, n]) -> [M, n]. prefetch False: no next-panel prefetch in decode passes
+    (KernelPlan.prefetch says which is faster at M rows)."""
     x = x.contiguous()
     m, k = x.shape
     assert packed.shape[1] == k and packed.shape[2] == panel_width() and x.dtype == torch.float32
@@ -197,7 +198,8 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
     y = torch.empty(m, n, dtype=torch.float32)
     _library().vtok_packed_gemm(x.data_ptr(), m, k, packed.data_ptr(), n,
                                 None if bias is None else bias.data_ptr(),
-                                None if residual is None else residual.data_ptr(), y.data_ptr())
+                                None if residual is None else residual.data_ptr(), y.data_ptr(),
+                                prefetch)
     return y
 
 
@@ -268,12 +270,12 @@ def layer_stack(layers: List[LayerWeights]) -> ctypes.Array:
 def decode_layers(layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   slot_mapping: torch.Tensor, kv_caches: torch.Tensor, views: torch.Tensor,
                   lens: torch.Tensor, mass: Optional[torch.Tensor],
-                  scratch: torch.Tensor) -> torch.Tensor:
+                  scratch: torch.Tensor, prefetch: bool = True) -> torch.Tensor:
     """Decoder layers for M decode tokens in one C call, in place on the residual stream
     x [M, hidden] (contiguous float32); layer i reads and writes kv_caches[i]. Each layer:
     RMSNorm, QKV, rotary + K/V write at slot_mapping, attention over views/lens (mass +=
     probabilities, if given), O + residual, RMSNorm, SiLU MLP + residual. `scratch` from
-    decode_scratch()."""
+    decode_scratch(); prefetch as in packed_gemm."""
     m, width = x.shape[0], _width(views)
     assert x.is_contiguous() and x.dtype == torch.float32 and views.stride(1) == 1
     assert kv_caches.is_contiguous() and len(kv_caches) == len(layers)
@@ -282,17 +284,17 @@ def decode_layers(layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin:
         sin.contiguous().data_ptr(), slot_mapping.data_ptr(), kv_caches.data_ptr(),
         kv_caches[0].numel(), views.data_ptr(), views.stride(0), lens.contiguous().data_ptr(),
         width, None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
-        scratch.data_ptr())
+        scratch.data_ptr(), prefetch)
     return x
 
 
 def decode_layer(layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor, views: torch.Tensor,
                  lens: torch.Tensor, mass: Optional[torch.Tensor],
-                 scratch: torch.Tensor) -> torch.Tensor:
+                 scratch: torch.Tensor, prefetch: bool = True) -> torch.Tensor:
     """decode_layers for one layer and its cache kv_cache [S, 2, KVH, D]."""
     return decode_layers(layer_stack([layer]), x, cos, sin, slot_mapping, kv_cache[None], views,
-                         lens, mass, scratch)
+                         lens, mass, scratch, prefetch)
 
 
 def decode_scratch(layer: LayerWeights, m: int, views: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = wt.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.paths = self.paths_for(wt.shape, plan)
+        self.plan = plan            # its prefetch choice is made after the model is built
         self.wt = self.packed = None
         if "c" in self.paths:
             out = arena.take(cpu_kernels.packed_shape(*wt.shape)) if arena else None
@@ -56,7 +57,8 @@ class Linear(nn.Module):
         m = x.shape[0]
         path = self.paths[band(m)] if len(self.paths) > 1 else self.paths[0]
         if path == "c":
-            return cpu_kernels.packed_gemm(x, self.packed, self.out_features, self.bias, residual)
+            return cpu_kernels.packed_gemm(x, self.packed, self.out_features, self.bias, residual,
+                                           self.plan.prefetch_next(m))
         if path == "mkl":
             rows = cpu_kernel_plan.TIMED_ROWS[band(m)]
             y = cpu_kernel_plan.mkl_gemm(x, self.mkl[rows], rows, self.out_features,
@@ -244,9 +246,11 @@ class LlamaForCausalLM(nn.Module):
             shapes[(k, n)] = shapes.get((k, n), 0) + count
         return shapes
 
-    def _timed_step(self, m: int, fused: bool, context: int = 256) -> List[Callable[[], object]]:
+    def _timed_step(self, m: int, fused: bool, prefetch: bool,
+                    context: int = 256) -> List[Callable[[], object]]:
         """For timing: one call per layer of a decode step of m rows with `context` keys each,
-        for the first layers (enough that their weights stream from memory), fused or per op."""
+        for the first layers (enough that their weights stream from memory), fused or per op,
+        the C GEMMs prefetching their next panels or not."""
         first = self.layers[0]
         layer_bytes = sum(p.numel() * 4 for p in first.parameters())
         layers = self.layers[:cpu_kernel_plan._copies(layer_bytes, len(self.layers))]
@@ -257,13 +261,14 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed[torch.randint(self.embed.shape[0], (m,))].contiguous()
         position = [min(context, len(self.rotary.cos) - 1)] * m
         cos, sin = self.rotary.cos[position], self.rotary.sin[position]
-        if not fused:
+        if not fused:     # the per-op path's C GEMMs read their plan's prefetch: on until chosen
+            assert prefetch
             return [lambda layer=layer: layer(x, cos, sin, self.rotary, kv, meta)
                     for layer in layers]
         scratch = cpu_kernels.decode_scratch(first.fused, m, meta.decode_views)
         return [lambda layer=layer: cpu_kernels.decode_layer(
             layer.fused, x.clone(), cos, sin, meta.slot_mapping, kv, meta.decode_views,
-            meta.decode_lens, None, scratch) for layer in layers]
+            meta.decode_lens, None, scratch, prefetch) for layer in layers]
 
     @property
     def num_layers(self) -> int:
@@ -291,7 +296,8 @@ class LlamaForCausalLM(nn.Module):
         mass = meta.decode_mass
         scratch = cpu_kernels.decode_scratch(self.layers[0].fused, x.shape[0], meta.decode_views)
         cpu_kernels.decode_layers(self._fused_stack, x, cos, sin, meta.slot_mapping, kv_caches,
-                                  meta.decode_views, meta.decode_lens, mass, scratch)
+                                  meta.decode_views, meta.decode_lens, mass, scratch,
+                                  self.plan.prefetch_next(x.shape[0]))
         return rms_norm(x, self.norm, self.eps)
 
     @functools.cached_property
