@@ -410,19 +410,26 @@ def test_gemm_choice_keeps_one_layout_unless_another_wins_by_the_margin():
     assert _choose_gemm(times)[0] == "torch"
 
 
+def _timing_scene(monkeypatch, tmp_path, calls: int, others_cores: float):
+    """Plans timed on tiny shapes (one copy each, `calls` calls per candidate) into a private
+    cache, with other processes using `others_cores` of the host."""
+    from vllm import cpu_kernel_plan as kp
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
+    monkeypatch.setattr(kp, "STREAM_BYTES", 1)
+    monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
+    monkeypatch.setattr(kp, "CALLS", calls)
+    monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
+    monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: others_cores)
+
+
 @cpu_built
 def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
     """Timing outcomes are not checked (they depend on the host), only the decision's shape,
     its JSON form, and that a second load reads the cache instead of timing."""
     import json
     from vllm import cpu_kernel_plan as kp
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
-    monkeypatch.setattr(kp, "STREAM_BYTES", 1)          # tiny shapes are timed, on one copy
-    monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
-    monkeypatch.setattr(kp, "CALLS", 1)
-    monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
-    monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 0.0)   # as if the host were quiet
+    _timing_scene(monkeypatch, tmp_path, calls=1, others_cores=0.0)
     shapes = {(32, 48): 2, (48, 32): 2}
     plan = kp.plan_model(shapes, 4, 2, 16, layers=2)
     assert plan.source == "timed"
@@ -452,13 +459,7 @@ def test_plan_keeps_the_faster_prefetch_setting_per_band(monkeypatch, tmp_path):
     the C GEMMs of that band follow it."""
     import time
     from vllm import cpu_kernel_plan as kp
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
-    monkeypatch.setattr(kp, "STREAM_BYTES", 1)
-    monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
-    monkeypatch.setattr(kp, "CALLS", 2)
-    monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
-    monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 0.0)
+    _timing_scene(monkeypatch, tmp_path, calls=2, others_cores=0.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
 
     def step(m, fused, prefetch):
@@ -494,13 +495,7 @@ def test_plan_timed_beside_other_processes_is_not_cached(monkeypatch, tmp_path):
     """Kernels timed while another process ran (the test run beside a compiler, say) must not
     fix a wrong plan for every later load."""
     from vllm import cpu_kernel_plan as kp
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
-    monkeypatch.setattr(kp, "STREAM_BYTES", 1)
-    monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
-    monkeypatch.setattr(kp, "CALLS", 1)
-    monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
-    monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 1.0)
+    _timing_scene(monkeypatch, tmp_path, calls=1, others_cores=1.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
     kp.choose_decode_layer(plan, lambda m, fused, prefetch: [lambda: None])
     assert plan.source == "contended" and plan.others_cores == 1.0

@@ -198,8 +198,9 @@ static void panel_rows(const float *x, int64_t M, int64_t K, const float *packed
 
 /* y [M, N] = x [M, K] @ W (+ bias [N]) (+ residual [M, N]), W packed; bias, residual may be NULL
    and residual may be y itself. prefetch 0 turns the decode passes' next-panel prefetch off: on
-   the AMD EPYC Zen 4 host one row streamed 9-22% faster without it (it competes with the
-   hardware prefetcher's stream), at 8-16 rows 25% slower; vllm/cpu_kernel_plan.py times both. Up to ROWS rows: each thread streams its panels once. More rows:
+   the AMD EPYC Zen 4 host one row streamed 5-22% faster without it (the weight stream is then
+   all a pass does), 8-16 rows ran 25% slower; vllm/cpu_kernel_plan.py times both per band.
+   Up to ROWS rows: each thread streams its panels once. More rows:
    pairs of panels, PAIR_ROWS rows at a time (the pair stays in L1 / L2 between those passes).
    Past PREFETCH_PASSES passes (prefill) the rows go in blocks of X_BLOCK_BYTES of x, which stay
    in L2 while every pair of panels passes over them; 2,048 rows of K = 576 (4.7 MB of x) would
