@@ -27,24 +27,12 @@ DEFAULT_MODEL_GEMMS = ((576, 960, 30), (576, 576, 30), (576, 3072, 30), (1536, 5
                        (576, 49152, 1))
 
 
-def pack(isa: str, wt: torch.Tensor) -> torch.Tensor:
-    """cpu_kernels.pack_weight for any variant (it packs for the active one): [K, N] ->
-    [ceil(N / W), K, W] panels of that variant's width W."""
-    from vllm import cpu_kernels
-    width = cpu_kernels._panel_width(isa)
-    k, n = wt.shape
-    panels = -(-n // width)
-    padded = torch.zeros(k, panels * width)
-    padded[:, :n] = wt
-    return padded.view(k, panels, width).permute(1, 0, 2).contiguous()
-
-
 def step_calls(isa: str, weights: List[Tuple[int, int, List[torch.Tensor]]], m: int,
                prefetch: bool = True):
     """One decode step's GEMMs in layer order with `isa`'s kernels, as a callable."""
     from vllm import cpu_kernels
     lib = cpu_kernels.library(isa)
-    packed = [(k, n, [pack(isa, w) for w in ws]) for k, n, ws in weights]
+    packed = [(k, n, [cpu_kernels.pack_weight(w, isa=isa) for w in ws]) for k, n, ws in weights]
     xs = {k: torch.randn(m, k) for k, _, _ in weights}
     ys = {n: torch.empty(m, n) for _, n, _ in weights}
     order = [(k, n, ws[i]) for i in range(max(len(ws) for _, _, ws in packed))

@@ -248,14 +248,14 @@ def peer_main(args):
         with open(peer.log.name, errors="replace") as f:   # own offset: the server writes on
             system_info = common.llamacpp_system_info(f.read())
     title = (f"Serving vs llama-server: closed-loop waves of C clients, {plen}-token prompts + "
-             f"{olen} new tokens, aggregate generated tok/s (median of {waves} waves, the servers "
-             f"taking turns), ratio = ours / llama-server, paired = median per-pair ratio; default model, fp32 (llama.cpp: F32 GGUF), "
+             f"{olen} new tokens, aggregate generated tok/s (median of {waves} waves, the "
+             f"servers taking turns), ratio = ours / llama-server, paired = median per-pair "
+             f"ratio; default model, fp32 (llama.cpp: F32 GGUF), "
              f"{args.threads} threads each\nCPU: {info['cores']}-core {info['cpu']}, "
              f"ISA of our C kernels {info['isa']}; llama.cpp {build}"
              + (f"; llama.cpp system_info: {system_info}" if system_info else ""))
     text = common.table(rows, ["C", "ours_tok_s", "llamacpp_tok_s", "ratio", "paired_ratio",
-                               "ours_lat_s",
-                               "llamacpp_lat_s"], title)
+                               "ours_lat_s", "llamacpp_lat_s"], title)
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5, 3.2))
     x = list(range(len(rows)))

@@ -13,9 +13,9 @@ Decode attention is timed C vs torch, and on the built model the fused C decode 
 (cpu_kernels.decode_layer) with and without the C GEMM's next-panel prefetch vs the per-op path:
 `prefetch` per band is what the C GEMMs then use in that band (the prefetch overlaps the weight
 stream with the arithmetic at 8-16 rows, but at one row on the AMD EPYC Zen 4 host it slowed the
-stream by 5-22%). Memory: each weight is kept in the layout of the
-path that wins most of its bands (ties: c); another layout is added only for a band where it is
-MARGIN faster than that one, at the cost in `as_dict()["extra_weight_bytes"]`.
+stream by 5-22%). Memory: each weight is kept in the layout of the path that wins most of its
+bands (ties: c); another layout is added only for a band where it is MARGIN faster than that one,
+at the cost in `as_dict()["extra_weight_bytes"]`.
 
 Timing needs our cores: while other processes hold them (every multi-threaded call then waits a
 scheduler tick) it gives up after a few seconds and runs the C path everywhere, uncached (source

@@ -163,16 +163,18 @@ def _panel_width(isa: str) -> int:
     return library(isa).vtok_panel_width()
 
 
-def packed_shape(k: int, n: int) -> Tuple[int, int, int]:
-    width = panel_width()
+def packed_shape(k: int, n: int, isa: Optional[str] = None) -> Tuple[int, int, int]:
+    width = _panel_width(isa or active_isa())
     return -(-n // width), k, width
 
 
-def pack_weight(wt: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pack_weight(wt: torch.Tensor, out: Optional[torch.Tensor] = None,
+                isa: Optional[str] = None) -> torch.Tensor:
     """wt [K, N] float32 -> panels [ceil(N / PANEL), K, PANEL] (zero columns past N), PANEL =
-    panel_width(); written into `out` (of packed_shape(K, N)) if given."""
+    the panel width of `isa` (default: the active variant); written into `out` (of
+    packed_shape(K, N)) if given."""
     k, n = wt.shape
-    panels, _, width = packed_shape(k, n)
+    panels, _, width = packed_shape(k, n, isa)
     padded = torch.zeros(k, panels * width, dtype=torch.float32)
     padded[:, :n] = wt
     # PANEL 8: [K, P * 8] -> [K, P, 8] -> [P, K, 8]: panel p holds columns 8p .. 8p + 7
