@@ -8,9 +8,10 @@
 
    Plain C with GCC vector extensions, no torch headers, one translation unit, built once per
    instruction set (vllm/cpu_kernels.py passes the -m flags and one of these macros):
-     VTOK_ISA_AVX512  64-byte vectors, 32 registers: 16 x 1 and 12 x 2 vector GEMM blocks
-     VTOK_ISA_AVX2    32-byte vectors, 16 registers: 12 x 1 and 6 x 2 (accumulators + weights
-                      + one broadcast fit in 16 ymm; more spill and run at half speed)
+     VTOK_ISA_AVX512  64-byte vectors, 32 registers: 8 x 1 and 12 x 2 vector GEMM blocks
+     VTOK_ISA_AVX2    32-byte vectors, 16 registers: 3 x 1 (split chains) and 6 x 2
+                      (accumulators + weights + one broadcast fit in 16 ymm; more spill and
+                      run at half speed)
      (neither)        generic: 16-byte vectors the compiler maps to SSE2, NEON or scalar code */
 #include <math.h>
 #include <stdint.h>
@@ -18,14 +19,14 @@
 
 #if defined(VTOK_ISA_AVX512)
 #define VEC 16                /* floats per vector */
-#define ROWS 16               /* input rows per pass over one panel: ROWS accumulators */
-#define PAIR_ROWS 12          /* rows per pass over two panels: 2 x PAIR_ROWS accumulators */
+#define ROWS 8                /* at most this many rows: passes over one panel, ROWS accumulators */
+#define PAIR_ROWS 12          /* more rows: passes over two panels, 2 x PAIR_ROWS accumulators */
 #define AV_HEADS 4            /* attention values: heads x vectors of accumulators at a time */
 #define SPLIT_1ROW 1          /* accumulator chains of a one-row pass (see panel_pass_split) */
 #define ISA_NAME "avx512"
 #elif defined(VTOK_ISA_AVX2)
 #define VEC 8
-#define ROWS 12
+#define ROWS 3                /* 1-3 rows: split one-panel passes; from 4 rows, pairs */
 #define PAIR_ROWS 6
 #define AV_HEADS 2
 #define SPLIT_1ROW 4
@@ -39,6 +40,7 @@
 #define ISA_NAME "generic"
 #endif
 #define PANEL VEC             /* output columns per packed panel: one vector */
+#define TILE (ROWS > PAIR_ROWS ? ROWS : PAIR_ROWS)   /* most rows of any pass */
 #define AV_VECS 4
 #define PREFETCH_KEYS 16      /* attention: keys ahead whose K / V rows are prefetched */
 #define PREFETCH_PASSES 8     /* at most this many passes over panels: prefetch the next */
@@ -72,9 +74,14 @@ const char *vtok_isa(void) { return ISA_NAME; }
 /* rows x[0:rows] (row stride K) times `width` (1 or 2) adjacent panels -> y[0:rows, 0:cols]
    (row stride N); rows and width are compile-time constants at every call site, so acc[][]
    lives in registers: ROWS x 1 for one pass over the weights (decode: memory-bound),
-   PAIR_ROWS x 2 for more rows (each broadcast of x then feeds two FMAs: compute-bound). */
+   PAIR_ROWS x 2 for more rows (each broadcast of x then feeds two FMAs: compute-bound).
+   Where one panel stops paying: a one-panel pass issues a broadcast load of x per FMA, so from
+   a few rows on the load ports, not the FMAs or the stream, set its pace; a pair halves those
+   loads. On the AMD EPYC Zen 4 host (one decode step's GEMMs, interleaved A/B), pairs instead
+   of one panel took avx2 0.88-0.90x the time at 5-6 rows and 0.75-0.79x at 8-12, avx512
+   0.84-0.87x at 12-16 rows; at up to 8 rows one zmm panel was as fast or faster. */
 static inline __attribute__((always_inline)) void store_rows(
-    vec acc[ROWS][2], float *y, int64_t N, int cols, const float *bias, const float *residual,
+    vec acc[TILE][2], float *y, int64_t N, int cols, const float *bias, const float *residual,
     const int rows, const int width) {
   float tmp[2 * PANEL] = {0};
   if (bias) memcpy(tmp, bias, cols * sizeof(float));
@@ -92,7 +99,7 @@ static inline __attribute__((always_inline)) void panel_pass(
     const float *x, int64_t K, const float *panel, float *y, int64_t N, int cols,
     const float *bias, const float *residual, const float *pf, int64_t pf_step, const int rows,
     const int width) {
-  vec acc[ROWS][2];
+  vec acc[TILE][2];
   for (int m = 0; m < rows; m++)
     for (int v = 0; v < width; v++) acc[m][v] = splat(0.f);
   /* pf_at: floats into pf, 16.16 fixed point in a general register (a float would take the
@@ -138,7 +145,7 @@ static inline __attribute__((always_inline)) void panel_pass_split(
     vec w = load(panel + k * PANEL);
     for (int m = 0; m < rows; m++) acc[m][0] += splat(x[m * K + k]) * w;
   }
-  vec sum[ROWS][2];
+  vec sum[TILE][2];
   for (int m = 0; m < rows; m++) {
     sum[m][0] = acc[m][0];
     for (int s = 1; s < split; s++) sum[m][0] += acc[m][s];
