@@ -5,10 +5,13 @@ from ShareGPT, so no padding is needed), in one process, one after the other per
 the engine, the same engine on its torch path (C kernels off, as VLLM_KERNEL_BACKEND=torch),
 and transformers.
 
-With --llamacpp DIR, llama.cpp's `llama-batched-bench` then runs the same prompt length, output
-length, batch sizes and thread count on an F32 GGUF of the default model (the same dequantized
-weights the engine uses). Its comparable figure is generated tokens / total time including
-prefill, B * output_len / T; its decode-only S_TG is shown beside it.
+With --llamacpp DIR, llama.cpp's `llama-batched-bench` runs the same prompt length, output
+length and thread count on an F32 GGUF of the default model (the same dequantized weights the
+engine uses), one batch size at a time right after the engine's run of that batch (per batch:
+torch path, transformers, engine, llama.cpp), so that each ratio compares runs a minute apart: a
+shared host's memory bandwidth drifts by a third between minutes. Its comparable figure is
+generated tokens / total time including prefill, B * output_len / T; its decode-only S_TG is
+shown beside it.
 
     python benchmarks/benchmark_throughput.py            # batch 1, 16, 32
     python benchmarks/benchmark_throughput.py --quick    # batch 1, 16
@@ -96,7 +99,7 @@ def main():
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    common.add_llamacpp_args(p, "llama-batched-bench, after the engine and transformers rows")
+    common.add_llamacpp_args(p, "llama-batched-bench, one batch size at a time after the engine")
     args = p.parse_args()
     if args.llamacpp and args.model not in (None, "", "default"):
         p.error("--llamacpp compares on the default model only (its F32 GGUF); drop --model")
@@ -132,33 +135,34 @@ def main():
     rows = []
     for b in batches:
         work = [(q, args.output_len) for q in all_prompts[:b]]
-        _, t_engine = common.generate(llm, work)
         with ops.forced_backend("torch"):
             _, t_torch = common.generate(llm_torch, work)
         t_hf = hf_generate(hf, all_prompts[:b], args.output_len)
+        _, t_engine = common.generate(llm, work)    # between its two peers
         new = b * args.output_len
-        rows.append({"batch": b, "engine_tok_s": new / t_engine, "torch_path_tok_s": new / t_torch,
-                     "hf_tok_s": new / t_hf, "ratio": t_hf / t_engine,
-                     "c_vs_torch_path": t_torch / t_engine, "engine_s": t_engine,
-                     "torch_path_s": t_torch, "hf_s": t_hf})
+        row = {"batch": b, "engine_tok_s": new / t_engine, "torch_path_tok_s": new / t_torch,
+               "hf_tok_s": new / t_hf, "ratio": t_hf / t_engine,
+               "c_vs_torch_path": t_torch / t_engine, "engine_s": t_engine,
+               "torch_path_s": t_torch, "hf_s": t_hf}
+        if args.llamacpp:                           # our process idles meanwhile
+            by_batch, command, peer["settings"] = run_llamacpp(
+                args.llamacpp, peer["gguf"], [b], args.prompt_len, args.output_len, args.threads)
+            peer.setdefault("commands", []).append(command)
+            lc = by_batch[b]
+            row["llamacpp_tok_s"] = b * lc["tg"] / lc["t_s"]            # incl. prefill, like ours
+            row["llamacpp_decode_tok_s"] = lc["s_tg"]
+            row["vs_llamacpp"] = row["engine_tok_s"] / row["llamacpp_tok_s"]
+            row["llamacpp_s"] = lc["t_s"]
+            row["llamacpp_raw"] = lc
+        rows.append(row)
     cols = ["batch", "engine_tok_s", "torch_path_tok_s", "hf_tok_s", "ratio", "c_vs_torch_path"]
     if args.llamacpp:
-        del llm, llm_torch, hf                      # nothing of ours stays busy or resident
-        by_batch, peer["command"], peer["settings"] = run_llamacpp(
-            args.llamacpp, peer["gguf"], batches, args.prompt_len, args.output_len, args.threads)
-        for r in rows:
-            lc = by_batch[r["batch"]]
-            r["llamacpp_tok_s"] = r["batch"] * lc["tg"] / lc["t_s"]     # incl. prefill, like ours
-            r["llamacpp_decode_tok_s"] = lc["s_tg"]
-            r["vs_llamacpp"] = r["engine_tok_s"] / r["llamacpp_tok_s"]
-            r["llamacpp_s"] = lc["t_s"]
-            r["llamacpp_raw"] = lc
         cols += ["llamacpp_tok_s", "llamacpp_decode_tok_s", "vs_llamacpp"]
     title = (f"Offline generation, {args.prompt_len}-token prompts + {args.output_len} new tokens, "
              f"output tokens/s ({common.machine()})")
     if args.llamacpp:
         title += (f"\nllama.cpp ({peer['build']}): llama-batched-bench, F32 GGUF, "
-                  f"{args.threads} threads; "
+                  f"{args.threads} threads, after the engine at each batch; "
                   f"llamacpp_tok_s = B*{args.output_len}/T incl. prefill, decode = S_TG; "
                   f"vs_llamacpp = engine_tok_s / llamacpp_tok_s")
     text = common.table(rows, cols, title)

@@ -475,6 +475,25 @@ def test_plan_keeps_the_faster_prefetch_setting_per_band(monkeypatch, tmp_path):
 
 
 @cpu_built
+def test_decode_layer_candidates_take_turns_over_the_layers(monkeypatch, tmp_path):
+    """The fused layer's candidates time on the same layers: as they take turns, the t-th timed
+    call of a band reads layer t mod n, never the one the call before it just read (from L3,
+    which flattered whichever candidate came second)."""
+    from vllm import cpu_kernel_plan as kp
+    _timing_scene(monkeypatch, tmp_path, calls=4, others_cores=0.0)
+    plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
+    read = []
+
+    def step(m, fused, prefetch):
+        return [lambda i=i: read.append(i) for i in range(5)]
+    kp.choose_decode_layer(plan, step)
+    per_band = 3 * (kp.CALLS + 1)                       # 3 candidates, a warm-up call each
+    assert len(read) == per_band * (len(kp.BANDS) - 1)
+    for b in range(0, len(read), per_band):
+        assert read[b:b + per_band] == [t % 5 for t in range(per_band)]
+
+
+@cpu_built
 def test_busy_host_gives_the_c_plan_uncached(monkeypatch, tmp_path):
     from vllm import cpu_kernel_plan as kp
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
