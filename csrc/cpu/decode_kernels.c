@@ -77,9 +77,11 @@ const char *vtok_isa(void) { return ISA_NAME; }
    PAIR_ROWS x 2 for more rows (each broadcast of x then feeds two FMAs: compute-bound).
    Where one panel stops paying: a one-panel pass issues a broadcast load of x per FMA, so from
    a few rows on the load ports, not the FMAs or the stream, set its pace; a pair halves those
-   loads. On the AMD EPYC Zen 4 host (one decode step's GEMMs, interleaved A/B), pairs instead
-   of one panel took avx2 0.88-0.90x the time at 5-6 rows and 0.75-0.79x at 8-12, avx512
-   0.84-0.87x at 12-16 rows; at up to 8 rows one zmm panel was as fast or faster. */
+   loads. On the AMD EPYC Zen 4 host (one decode step's GEMMs, interleaved A/B), sweeping the
+   threshold: pairs instead of one panel took avx2 0.88-0.90x the time at 5-6 rows and
+   0.75-0.79x at 8-12, avx512 0.84-0.87x at 12-16 rows, and at up to 8 rows one zmm panel was as
+   fast or faster; this build against the one with thresholds 12 / 16: avx2 0.80-0.90x at 8-12
+   rows, avx512 0.89-0.92x at 12-16. Measured on that host only. */
 static inline __attribute__((always_inline)) void store_rows(
     vec acc[TILE][2], float *y, int64_t N, int cols, const float *bias, const float *residual,
     const int rows, const int width) {
