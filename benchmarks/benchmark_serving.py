@@ -179,11 +179,8 @@ def load_waves(kind, port, conc, waves, prompts_file, new, peer_scripts):
 
 
 def wave_order(waves: int):
-    """Which server runs each wave: pairs in ABBA order, so a host whose memory bandwidth drifts
-    (a shared VM: 25-45 GB/s between minutes) moves both alike. 3 -> ours llamacpp, llamacpp
-    ours, ours llamacpp."""
-    pairs = [("ours", "llamacpp") if i % 2 == 0 else ("llamacpp", "ours") for i in range(waves)]
-    return [name for pair in pairs for name in pair]
+    """Which server runs each wave: common.abba_order of ours and llama-server."""
+    return common.abba_order(waves, "ours", "llamacpp")
 
 
 def measure_level(servers, c, waves, prompts_file, olen, peer_scripts):

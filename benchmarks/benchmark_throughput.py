@@ -5,18 +5,21 @@ from ShareGPT, so no padding is needed), in one process, one after the other per
 the engine, the same engine on its torch path (C kernels off, as VLLM_KERNEL_BACKEND=torch),
 and transformers.
 
-With --llamacpp DIR, llama.cpp's `llama-batched-bench` runs the same prompt length, output
-length and thread count on an F32 GGUF of the default model (the same dequantized weights the
-engine uses), one batch size at a time right after the engine's run of that batch (per batch:
-torch path, transformers, engine, llama.cpp), so that each ratio compares runs a minute apart: a
-shared host's memory bandwidth drifts by a third between minutes. Its comparable figure is
-generated tokens / total time including prefill, B * output_len / T; its decode-only S_TG is
-shown beside it.
+The engine runs --rounds times per batch size and its median time is reported. With
+--llamacpp DIR, llama.cpp's `llama-batched-bench` runs the same prompt length, output length and
+thread count on an F32 GGUF of the default model (the same dequantized weights the engine
+uses), one batch size at a time, taking turns with the engine: per batch, the torch path and
+transformers once, then --rounds pairs of engine and llama.cpp in ABBA order. A shared host's
+memory bandwidth drifts by half between minutes (batch 1 on the AMD EPYC host: 40-58 tok/s for
+the engine, 39-47 for llama.cpp within four minutes), so vs_llamacpp is the median of the
+per-pair ratios, with the lowest beside it. llama.cpp's comparable figure is generated tokens /
+total time including prefill, B * output_len / T; its decode-only S_TG is shown beside it.
 
     python benchmarks/benchmark_throughput.py            # batch 1, 16, 32
     python benchmarks/benchmark_throughput.py --quick    # batch 1, 16
     python benchmarks/benchmark_throughput.py --threads 2 --batch-sizes 1 8 16 32 --llamacpp DIR
 """
+import statistics
 import subprocess
 import time
 
@@ -84,6 +87,19 @@ def run_llamacpp(llamacpp_dir: str, gguf: str, batches, prompt_len: int, output_
     return by_batch, cmd, settings
 
 
+def peer_summary(peer_rows, engine_tok_s, batch: int):
+    """llama.cpp's columns of one batch row from its rounds (llama-batched-bench rows) and the
+    engine's tok/s in the same rounds, paired in order: medians, and the per-pair ratios."""
+    tok_s = [batch * r["tg"] / r["t_s"] for r in peer_rows]     # incl. prefill, like ours
+    pairs = [ours / theirs for ours, theirs in zip(engine_tok_s, tok_s)]
+    return {"llamacpp_tok_s": statistics.median(tok_s),
+            "llamacpp_decode_tok_s": statistics.median(r["s_tg"] for r in peer_rows),
+            "vs_llamacpp": statistics.median(pairs), "vs_llamacpp_min": min(pairs),
+            "vs_llamacpp_rounds": pairs, "llamacpp_rounds_tok_s": tok_s,
+            "llamacpp_s": statistics.median(r["t_s"] for r in peer_rows),
+            "llamacpp_raw": peer_rows}
+
+
 def hf_generate(model, batch, output_len: int) -> float:
     ids = torch.tensor(batch)
     t0 = time.perf_counter()
@@ -99,8 +115,14 @@ def main():
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    common.add_llamacpp_args(p, "llama-batched-bench, one batch size at a time after the engine")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="engine runs per batch size, with --llamacpp each paired with a "
+                        "llama-batched-bench run (ABBA order); medians reported (default 3, "
+                        "--quick 1)")
+    common.add_llamacpp_args(p, "llama-batched-bench, one batch size at a time, taking turns "
+                                "with the engine")
     args = p.parse_args()
+    rounds = args.rounds or (1 if args.quick else 3)
     if args.llamacpp and args.model not in (None, "", "default"):
         p.error("--llamacpp compares on the default model only (its F32 GGUF); drop --model")
     common.setup(args)
@@ -138,33 +160,38 @@ def main():
         with ops.forced_backend("torch"):
             _, t_torch = common.generate(llm_torch, work)
         t_hf = hf_generate(hf, all_prompts[:b], args.output_len)
-        _, t_engine = common.generate(llm, work)    # between its two peers
+        engine_s, peer_rows = [], []
+        order = common.abba_order(rounds, "engine", "llamacpp") if args.llamacpp \
+            else ["engine"] * rounds
+        for who in order:                   # the other one idles meanwhile
+            if who == "engine":
+                engine_s.append(common.generate(llm, work)[1])
+                continue
+            by_batch, command, peer["settings"] = run_llamacpp(
+                args.llamacpp, peer["gguf"], [b], args.prompt_len, args.output_len, args.threads)
+            peer.setdefault("commands", []).append(command)
+            peer_rows.append(by_batch[b])
+        t_engine = statistics.median(engine_s)
         new = b * args.output_len
         row = {"batch": b, "engine_tok_s": new / t_engine, "torch_path_tok_s": new / t_torch,
                "hf_tok_s": new / t_hf, "ratio": t_hf / t_engine,
                "c_vs_torch_path": t_torch / t_engine, "engine_s": t_engine,
-               "torch_path_s": t_torch, "hf_s": t_hf}
-        if args.llamacpp:                           # our process idles meanwhile
-            by_batch, command, peer["settings"] = run_llamacpp(
-                args.llamacpp, peer["gguf"], [b], args.prompt_len, args.output_len, args.threads)
-            peer.setdefault("commands", []).append(command)
-            lc = by_batch[b]
-            row["llamacpp_tok_s"] = b * lc["tg"] / lc["t_s"]            # incl. prefill, like ours
-            row["llamacpp_decode_tok_s"] = lc["s_tg"]
-            row["vs_llamacpp"] = row["engine_tok_s"] / row["llamacpp_tok_s"]
-            row["llamacpp_s"] = lc["t_s"]
-            row["llamacpp_raw"] = lc
+               "torch_path_s": t_torch, "hf_s": t_hf,
+               "engine_rounds_tok_s": [new / t for t in engine_s]}
+        if args.llamacpp:
+            row.update(peer_summary(peer_rows, row["engine_rounds_tok_s"], b))
         rows.append(row)
     cols = ["batch", "engine_tok_s", "torch_path_tok_s", "hf_tok_s", "ratio", "c_vs_torch_path"]
     if args.llamacpp:
-        cols += ["llamacpp_tok_s", "llamacpp_decode_tok_s", "vs_llamacpp"]
+        cols += ["llamacpp_tok_s", "llamacpp_decode_tok_s", "vs_llamacpp", "vs_llamacpp_min"]
     title = (f"Offline generation, {args.prompt_len}-token prompts + {args.output_len} new tokens, "
              f"output tokens/s ({common.machine()})")
     if args.llamacpp:
         title += (f"\nllama.cpp ({peer['build']}): llama-batched-bench, F32 GGUF, "
-                  f"{args.threads} threads, after the engine at each batch; "
-                  f"llamacpp_tok_s = B*{args.output_len}/T incl. prefill, decode = S_TG; "
-                  f"vs_llamacpp = engine_tok_s / llamacpp_tok_s")
+                  f"{args.threads} threads, {rounds} rounds per batch taking turns with the "
+                  f"engine (ABBA), medians; llamacpp_tok_s = B*{args.output_len}/T incl. "
+                  f"prefill, decode = S_TG; vs_llamacpp = median of the per-round ratios "
+                  f"engine / llama.cpp, vs_llamacpp_min the lowest")
     text = common.table(rows, cols, title)
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5.6 if args.llamacpp else 5, 3.2))

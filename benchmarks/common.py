@@ -382,6 +382,14 @@ def fixed_length_prompts(tokenizer, n: int, length: int, seed: int) -> List[List
 
 
 # ---- llama.cpp peer ---------------------------------------------------------------------------
+def abba_order(rounds: int, first: str, second: str) -> List[str]:
+    """Who runs in each turn of `rounds` pairs, in ABBA order, so that a host whose memory
+    bandwidth drifts (a shared VM: 25-55 GB/s between minutes) moves both alike. 3 -> first
+    second, second first, first second."""
+    pairs = [(first, second) if i % 2 == 0 else (second, first) for i in range(rounds)]
+    return [name for pair in pairs for name in pair]
+
+
 # The peer scripts (/work/shared/peer, see its README): dequant_gguf.py writes an F32 GGUF with the
 # exact dequantized values the engine loads; load_client.py drives a server with closed-loop waves.
 PEER_SCRIPTS = os.environ.get("VLLM_PEER_SCRIPTS", "/work/shared/peer")
