@@ -421,6 +421,7 @@ def _timing_scene(monkeypatch, tmp_path, calls: int, others_cores: float):
     monkeypatch.setattr(kp, "STREAM_BYTES", 1)
     monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
     monkeypatch.setattr(kp, "CALLS", calls)
+    monkeypatch.setattr(kp, "LAYER_CALLS", calls)
     monkeypatch.setattr(kp, "_wait_until_quiet", lambda: None)
     monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: others_cores)
 
@@ -477,6 +478,32 @@ def test_plan_keeps_the_faster_prefetch_setting_per_band(monkeypatch, tmp_path):
 
 
 @cpu_built
+def test_prefetch_choice_follows_the_median_round_not_one_lucky_call(monkeypatch, tmp_path):
+    """Without prefetch the layer is faster in every round but one, where the prefetching one
+    has a lucky call at half its time: the minima would keep the prefetch, the median per-round
+    ratio does not."""
+    import time
+    from vllm import cpu_kernel_plan as kp
+    _timing_scene(monkeypatch, tmp_path, calls=5, others_cores=0.0)
+    plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
+    calls = {"on": 0}
+
+    def prefetching():
+        calls["on"] += 1
+        time.sleep(0.001 if calls["on"] % 6 == 3 else 0.002)   # one lucky call per band
+
+    def step(m, fused, prefetch):
+        if not fused:
+            return [lambda: time.sleep(0.004)]
+        return [prefetching] if prefetch else [lambda: time.sleep(0.0016)]
+    kp.choose_decode_layer(plan, step)
+    fused_ms = plan.timings_ms["decode_layer"]
+    assert fused_ms["fused"][0] < fused_ms["fused_no_prefetch"][0]      # the minima disagree
+    assert plan.prefetch == [False] * (len(kp.BANDS) - 1) + [True]
+    assert plan.decode_layer == [True] * (len(kp.BANDS) - 1) + [False]
+
+
+@cpu_built
 def test_decode_layer_candidates_take_turns_over_the_layers(monkeypatch, tmp_path):
     """The fused layer's candidates time on the same layers: as they take turns, the t-th timed
     call of a band reads layer t mod n, never the one the call before it just read (from L3,
@@ -489,7 +516,7 @@ def test_decode_layer_candidates_take_turns_over_the_layers(monkeypatch, tmp_pat
     def step(m, fused, prefetch):
         return [lambda i=i: read.append(i) for i in range(5)]
     kp.choose_decode_layer(plan, step)
-    per_band = 3 * (kp.CALLS + 1)                       # 3 candidates, a warm-up call each
+    per_band = 3 * (kp.LAYER_CALLS + 1)                 # 3 candidates, a warm-up call each
     assert len(read) == per_band * (len(kp.BANDS) - 1)
     for b in range(0, len(read), per_band):
         assert read[b:b + per_band] == [t % 5 for t in range(per_band)]

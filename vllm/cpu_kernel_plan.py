@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,13 +52,15 @@ logger = logging.getLogger(__name__)
 BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, None))
 TIMED_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)      # each band timed at its largest row count
 GEMM_PATHS = ("c", "mkl", "torch")
-TIMING_VERSION = 4          # in the cache key: plans timed the old way retire (v1: a 64 MB pool,
-                            # v2: no prefetch choice, v3: candidates reading each other's copies)
+TIMING_VERSION = 5          # in the cache key: plans timed the old way retire (v1: a 64 MB pool,
+                            # v2: no prefetch choice, v3: candidates reading each other's copies,
+                            # v4: decode layer by the minimum of 8 calls)
 MARGIN = 0.20               # a second layout of a weight must be this much faster in its band
 STREAM_BYTES = 64 << 20     # weights timed on copies of at least this (and of the L3 size, up to
 MAX_STREAM_BYTES = 1 << 30  # this) so that every timed call streams its weight from memory
 MAX_TIMED_COLS = 4096       # wider weights (the LM head) are timed on their first columns
 CALLS = 8                   # timed calls per candidate and band (the minimum is kept)
+LAYER_CALLS = 16            # decode-layer rounds per band (the median per-round ratio decides)
 BUSY_SECONDS = 1e-3         # a near-empty parallel region slower than this: the host is busy
 BUSY_RETRIES = 30           # checks 0.1 s apart before timing gives up (HostBusy)
 OTHERS_MAX_CORES = 0.25     # other processes' mean CPU use while timing above which: not cached
@@ -173,21 +176,38 @@ def _wait_until_quiet() -> None:
     raise HostBusy
 
 
-def _min_seconds(candidates: Dict[str, Iterator[Callable[[], object]]]) -> Dict[str, float]:
-    """Min over CALLS timed calls of each candidate, alternating candidates call by call. On a
-    shared host a call that another process preempts costs a scheduler tick (~4 ms), so the
-    minimum of single calls, not the sum of many, is the cost of the kernel itself; while the
-    host stays busy (no call fast enough), timing stops: HostBusy."""
+def _rounds(candidates: Dict[str, Iterator[Callable[[], object]]],
+            rounds: int) -> Dict[str, List[float]]:
+    """Seconds of each candidate's call in each of `rounds` rounds, the candidates taking turns
+    call by call (after one warm-up round); while the host stays busy (no near-empty parallel
+    region fast enough), timing stops: HostBusy."""
     _wait_until_quiet()
-    best = {name: math.inf for name in candidates}
-    for i in range(CALLS + 1):                        # call 0 is a warm-up
+    times: Dict[str, List[float]] = {name: [] for name in candidates}
+    for i in range(rounds + 1):                       # round 0 is a warm-up
         for name, calls in candidates.items():
             fn = next(calls)
             t0 = time.perf_counter()
             fn()
             if i:
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _min_seconds(candidates: Dict[str, Iterator[Callable[[], object]]]) -> Dict[str, float]:
+    """Min over CALLS timed calls of each candidate. On a shared host a call that another process
+    preempts costs a scheduler tick (~4 ms), so the minimum of single calls, not the sum of
+    many, is the cost of the kernel itself."""
+    return {name: min(ts) for name, ts in _rounds(candidates, CALLS).items()}
+
+
+def _paired(a: List[float], b: List[float]) -> float:
+    """Median over rounds of a's time / b's time in the same round: below 1, a is faster. Each
+    ratio compares calls made a moment apart, so the host's drift between rounds (memory
+    bandwidth moves by half within minutes here) and one preempted call cancel out, where two
+    minima taken over different moments need not: on the AMD EPYC Zen 4 host the minima of 8
+    single-layer calls had kept the next-panel prefetch at one row, where a 30-layer decode step
+    ran 1.17-1.20x slower with it (interleaved, 40 rounds)."""
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def _round_robin(calls: Dict[str, List[Callable[[], object]]]
@@ -384,32 +404,34 @@ def choose_decode_layer(plan: KernelPlan, step: Optional[Callable[[int, bool, bo
                                                                   List[Callable[[], object]]]]):
     """Time step(m, fused, prefetch) -- callables that each run one layer of an m-row decode
     step, fused in C or per op, the C GEMMs prefetching their next panels or not -- at each band
-    up to 128 rows: the fused layer with and without prefetch, and the per-op path with it. Keep
-    the faster prefetch setting of the fused layer and the faster of fused and per op; cache the
-    plan. step None: the model has no fused layer (prefetch stays on)."""
+    up to 128 rows: the fused layer with and without prefetch, and the per-op path with it, in
+    LAYER_CALLS rounds. Keep the prefetch setting of the fused layer that is faster in the median
+    round (_paired) and the faster of fused and per op likewise; cache the plan. step None: the
+    model has no fused layer (prefetch stays on)."""
     if plan.source != "timed":
         return
     t0, others = time.perf_counter(), OthersCpu()
     variants = {"fused": (True, True), "fused_no_prefetch": (True, False),
                 "per_op": (False, True)}
     times = {name: [] for name in variants}
+    prefetch, fused_wins = [], []
     try:
         for m in TIMED_ROWS[:_LAST] if step else ():
-            best = _min_seconds(_round_robin({name: step(m, *args)
-                                              for name, args in variants.items()}))
+            rounds = _rounds(_round_robin({name: step(m, *args)
+                                           for name, args in variants.items()}), LAYER_CALLS)
             for name in times:
-                times[name].append(best[name])
+                times[name].append(min(rounds[name]))
+            on, off, per_op = rounds["fused"], rounds["fused_no_prefetch"], rounds["per_op"]
+            prefetch.append(_paired(on, off) <= 1.0)
+            fused_wins.append(_paired(on if prefetch[-1] else off, per_op) < 1.0)
     except HostBusy:
         logger.warning("CPU kernel plan: host too busy to time the decode layer; using the "
                        "fused C layer, not cached")
         plan.decode_layer, plan.source = [True] * _LAST + [False], "busy"
         return
     pad = len(BANDS) - len(times["fused"])
-    plan.prefetch = [on <= off for on, off in zip(times["fused"], times["fused_no_prefetch"])]
-    plan.prefetch += [True] * pad
-    plan.decode_layer = [min(on, off) < p for on, off, p in
-                         zip(times["fused"], times["fused_no_prefetch"], times["per_op"])]
-    plan.decode_layer += [False] * pad
+    plan.prefetch = prefetch + [True] * pad
+    plan.decode_layer = fused_wins + [False] * pad
     plan.timings_ms["decode_layer"] = _to_ms(times)
     plan.seconds += time.perf_counter() - t0
     layer_cores = others.cores()          # the busier of the two timing windows counts
