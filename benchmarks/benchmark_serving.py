@@ -227,12 +227,12 @@ def peer_main(args):
         pfile = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".json"))
         json.dump(prompts, pfile)
         pfile.flush()
-        print("  starting our server and llama-server", flush=True)
+        print("  starting our server, then llama-server", flush=True)
         ours = Server(ours_flags, args.threads)
         stack.callback(ours.__exit__)               # stopped on exit, error or SIGTERM
+        ours.__enter__()        # up first: its kernel plan times at load, on an otherwise idle host
         peer = LlamaServer(args.llamacpp, gguf, args.threads, slots, per_slot)
         stack.callback(peer.__exit__)
-        ours.__enter__()
         peer.__enter__()
         servers = {"ours": ("oai", ours), "llamacpp": ("llamacpp", peer)}
         for kind, srv in servers.values():          # warm-up: one short request each

@@ -504,6 +504,26 @@ def test_prefetch_choice_follows_the_median_round_not_one_lucky_call(monkeypatch
 
 
 @cpu_built
+def test_prefetch_must_win_by_the_margin(monkeypatch, tmp_path):
+    """Rounds where the prefetching layer is 3% faster (within what one layer's calls can tell)
+    turn it off; 10% faster keeps it."""
+    from vllm import cpu_kernel_plan as kp
+    _timing_scene(monkeypatch, tmp_path, calls=4, others_cores=0.0)
+    plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
+    speedup = iter([0.97, 0.90] + [0.5] * (len(kp.BANDS) - 3))
+
+    def rounds(candidates, n):
+        assert n == kp.LAYER_CALLS
+        s = next(speedup)
+        return {"fused": [s * t for t in (1.0, 1.1, 0.9, 1.0)], "fused_no_prefetch":
+                [1.0, 1.1, 0.9, 1.0], "per_op": [2.0] * 4}
+    monkeypatch.setattr(kp, "_rounds", rounds)
+    kp.choose_decode_layer(plan, lambda m, fused, prefetch: [lambda: None])
+    assert plan.prefetch == [False] + [True] * (len(kp.BANDS) - 1)
+    assert plan.decode_layer == [True] * (len(kp.BANDS) - 1) + [False]
+
+
+@cpu_built
 def test_decode_layer_candidates_take_turns_over_the_layers(monkeypatch, tmp_path):
     """The fused layer's candidates time on the same layers: as they take turns, the t-th timed
     call of a band reads layer t mod n, never the one the call before it just read (from L3,
