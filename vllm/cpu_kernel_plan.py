@@ -205,9 +205,7 @@ def _paired(a: List[float], b: List[float]) -> float:
     """Median over rounds of a's time / b's time in the same round: below 1, a is faster. Each
     ratio compares calls made a moment apart, so the host's drift between rounds (memory
     bandwidth moves by half within minutes here) and one preempted call cancel out, where two
-    minima taken over different moments need not: on the AMD EPYC Zen 4 host the minima of 8
-    single-layer calls had kept the next-panel prefetch at one row, where a 30-layer decode step
-    ran 1.17-1.20x slower with it (interleaved, 40 rounds)."""
+    minima taken at different moments need not (see choose_decode_layer)."""
     return statistics.median(x / y for x, y in zip(a, b))
 
 
@@ -410,8 +408,9 @@ def choose_decode_layer(plan: KernelPlan, step: Optional[Callable[[int, bool, bo
     in the median round (_paired), and the faster of fused and per op likewise; cache the plan.
     The margin: one layer's calls time the prefetch within a few % of its cost in a whole step,
     either way, and at one row on the AMD EPYC Zen 4 host (both builds) the whole step ran
-    1.16-1.20x slower with it while single-layer rounds had it 4% ahead once; from 4 rows, where
-    it pays, it wins by 10-40%. step None: the model has no fused layer (prefetch stays on)."""
+    1.16-1.20x slower with it while single-layer rounds had it 4% ahead once (and the minima of 8
+    single-layer calls, the rule before, had kept it); from 4 rows, where it pays, it wins by
+    10-40%. step None: the model has no fused layer (prefetch stays on)."""
     if plan.source != "timed":
         return
     t0, others = time.perf_counter(), OthersCpu()
