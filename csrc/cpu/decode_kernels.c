@@ -42,7 +42,7 @@
 #define PANEL VEC             /* output columns per packed panel: one vector */
 #define TILE (ROWS > PAIR_ROWS ? ROWS : PAIR_ROWS)   /* most rows of any pass */
 #define AV_VECS 4
-#define PREFETCH_KEYS 16      /* attention: keys ahead whose K / V rows are prefetched */
+#define PREFETCH_KEYS 64      /* attention: keys ahead whose K / V rows are prefetched */
 #define PREFETCH_PASSES 8     /* at most this many passes over panels: prefetch the next */
 
 typedef float vec __attribute__((vector_size(4 * VEC)));
@@ -338,10 +338,14 @@ static void softmax(float *p, int64_t n) {
   for (int64_t j = 0; j < n16; j += VEC) store(p + j, load(p + j) * inv);
 }
 
-/* The cache lines of floats p[0:count] into L1: a key's K or V row is a few lines at a stride of
-   a whole slot (K and V of every KV head), which the hardware prefetchers do not follow. */
+/* The cache lines of floats p[0:count] into L2: a key's K or V row is a few lines at a stride of
+   a whole slot (K and V of every KV head), which the hardware prefetchers do not follow. The
+   weights stream through the caches between layers, so K / V come from memory every step; 64
+   keys ahead into L2 rather than 16 into L1 keeps more of those misses in flight: the decode
+   step at 1,024 keys took 0.91x the time on the AMD EPYC Zen 4 host (both builds, one row) and
+   0.81x at 16 rows of 512 keys (avx512), with no change at 192 keys. */
 static inline void prefetch_row(const float *p, int64_t count) {
-  for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(p + i, 0, 3);
+  for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(p + i, 0, 2);
 }
 
 /* out[g][0:vecs vectors] = sum_j p[g][j] * v_j[0:vecs vectors] for g < heads <= AV_HEADS,
