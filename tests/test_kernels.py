@@ -297,6 +297,26 @@ def test_cpu_decode_long_views_with_holes(isa):
 
 
 @cpu_built
+@pytest.mark.parametrize("n", [1, 7, 49152, 50001])        # 50001: a tail past the vectors
+def test_cpu_argmax_rows_matches_torch(isa, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(12, n, generator=g)
+    x[1] = x[1].round()                                  # many ties: the first one wins
+    x[2] = float("-inf")
+    x[3, n // 2] = x[3, n - 1] = 1e30                    # a tie across vector lanes
+    x[4, n - 1] = float("nan")
+    x[5, :] = x[5].max() + 1                             # all equal
+    if n > 2:
+        x[6, n - 2] = float("nan")
+        x[6, 0] = float("nan")                           # the first NaN
+    got = cpu_kernels.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.argmax(x, dim=1))
+    assert torch.equal(ops.argmax_rows(x), got)
+    assert torch.equal(cpu_kernels.argmax_rows(x[:1, :]), got[:1])
+
+
+@cpu_built
 @pytest.mark.parametrize("m", [1, 16, 100])                 # 100: rows split across threads
 def test_cpu_rms_norm_and_silu_mul_match_torch(isa, m):
     g = torch.Generator().manual_seed(m)

@@ -11,6 +11,8 @@
     prefill_attention  xformers if installed, else torch SDPA        torch SDPA (no xformers)
     prefill_attention_ xformers (block-diagonal causal bias) if       padded torch SDPA (tests; the
       batched          installed, else one padded torch SDPA call     engine runs spans one by one)
+    argmax_rows        torch max                                    C kernel (float32), else
+                                                                    torch max
 
 The attention layer (vllm/attention/backend.py) reaches every kernel through these functions.
 
@@ -190,6 +192,15 @@ def _decode_torch(q, kv_cache, gather, bias, scale, mass):
     probs = torch.softmax(scores, dim=-1)            # [B, KVH, G, L]
     mass[:, :width] += probs.sum(dim=(1, 2), dtype=torch.float32)
     return torch.matmul(probs.to(v.dtype), v).reshape(b, h, d)
+
+
+# ---- greedy sampling ----------------------------------------------------------------------------
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> int64 [B]: each row's first maximal index (a NaN: the first NaN's)."""
+    if not x.is_cuda and x.dtype == torch.float32 and cpu_kernels_enabled():
+        from vllm import cpu_kernels
+        return cpu_kernels.argmax_rows(x)
+    return x.max(dim=1).indices        # the first maximal index too, faster than argmax on CPU
 
 
 # ---- prefill attention --------------------------------------------------------------------------

@@ -130,6 +130,8 @@ def library(isa: str) -> Optional[ctypes.CDLL]:
     lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                                           _f32, _ptr, _i64, _ptr, _ptr, _i64]
     lib.vtok_decode_attention.restype = None
+    lib.vtok_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.vtok_argmax_rows.restype = None
     lib.vtok_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     lib.vtok_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.vtok_rope_write_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
@@ -229,6 +231,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
     return out
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, N] float32 -> int64 [M], each row's first maximal index."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _library().vtok_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, N] float32, N % 16 == 0 -> x * rsqrt(mean(x^2) + eps) * weight."""
     x = x.contiguous()
@@ -284,7 +294,7 @@ def decode_layers(layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin:
     _library().vtok_decode_layers(
         layers, len(layers), x.data_ptr(), m, cos.contiguous().data_ptr(),
         sin.contiguous().data_ptr(), slot_mapping.data_ptr(), kv_caches.data_ptr(),
-        kv_caches[0].numel(), views.data_ptr(), views.stride(0), lens.contiguous().data_ptr(),
+        kv_caches.stride(0), views.data_ptr(), views.stride(0), lens.contiguous().data_ptr(),
         width, None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
         scratch.data_ptr(), prefetch)
     return x
@@ -299,10 +309,14 @@ def decode_layer(layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: t
                          lens, mass, scratch, prefetch)
 
 
+def decode_scratch_floats(layer: LayerWeights, m: int, views: torch.Tensor) -> int:
+    """Floats of scratch decode_layer needs over m rows and these views."""
+    return _library().vtok_decode_layer_scratch(ctypes.byref(layer), m, _width(views))
+
+
 def decode_scratch(layer: LayerWeights, m: int, views: torch.Tensor) -> torch.Tensor:
     """Scratch for decode_layer over m rows and these views."""
-    size = _library().vtok_decode_layer_scratch(ctypes.byref(layer), m, _width(views))
-    return torch.empty(size, dtype=torch.float32)
+    return torch.empty(decode_scratch_floats(layer, m, views), dtype=torch.float32)
 
 
 def _width(views: torch.Tensor) -> int:

@@ -472,6 +472,43 @@ void vtok_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
   }
 }
 
+/* out[m] = the first index of row m's largest value, x [M, N] (greedy sampling: torch's max
+   over a 49,152-token vocabulary ran at ~9 GB/s, 21 us a row on our 2-core hosts). Lanes keep
+   their first maximum (strict >), then the lowest index among lanes that hold the row's
+   maximum wins. A NaN anywhere: the first NaN's index, as torch.argmax. */
+void vtok_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
+#pragma omp parallel for schedule(static) if (M > 4)
+  for (int64_t m = 0; m < M; m++) {
+    const float *row = x + m * N;
+    const int64_t whole = N / VEC * VEC;
+    vec best = splat(-INFINITY);
+    ivec at = (ivec){0}, nan = (ivec){0};          /* index 0, no NaN seen */
+    ivec lane;
+    for (int i = 0; i < VEC; i++) lane[i] = i;
+    for (int64_t i = 0; i < whole; i += VEC) {
+      vec v = load(row + i);
+      ivec wins = v > best;
+      nan |= v != v;
+      best = as_float((as_bits(v) & wins) | (as_bits(best) & ~wins));
+      at = ((lane + (int32_t)i) & wins) | (at & ~wins);
+    }
+    int any_nan = 0;
+    for (int i = 0; i < VEC; i++) any_nan |= nan[i];
+    float top = -INFINITY;
+    int64_t idx = 0;
+    for (int i = 0; i < VEC; i++)
+      if (best[i] > top || (best[i] == top && at[i] < idx)) { top = best[i]; idx = at[i]; }
+    for (int64_t i = whole; i < N; i++) {
+      any_nan |= row[i] != row[i];
+      if (row[i] > top) { top = row[i]; idx = i; }
+    }
+    if (any_nan)
+      for (int64_t i = 0; i < N; i++)
+        if (row[i] != row[i]) { idx = i; break; }
+    out[m] = idx;
+  }
+}
+
 /* Rotary embedding of this step's q and k, and the K/V cache write, in one pass:
    qkv [T, (H + 2 KVH) D] rows = [q heads | k heads | v heads]; cos, sin [T, D] for each token's
    position; x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]];

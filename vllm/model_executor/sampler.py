@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from vllm._custom_ops import to_device
+from vllm._custom_ops import argmax_rows, to_device
 from vllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -129,9 +129,8 @@ def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax (ties -> lowest index, like torch.argmax). ``max(dim)``
-    returns the first maximal index too and is markedly faster on CPU."""
-    return x.max(dim=1).indices
+    """Row-wise argmax (ties -> lowest index, like torch.argmax)."""
+    return argmax_rows(x)
 
 
 def _logprob_dicts(logprobs: torch.Tensor, token_ids: torch.Tensor,

@@ -16,7 +16,7 @@ prefill column sums) travel back in one non-blocking copy that execute() starts 
 step_stats() reads after the sampler's token read has synchronized.
 """
 from dataclasses import dataclass
-from typing import List, Optional, Set, Tuple
+from typing import List, Optional, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -134,10 +134,13 @@ class ModelRunner:
             mask = ids[None, :] <= q_ids[:, None]
         return PrefillSpan(start, start + n, slots, mask)
 
-    def logits_rows(self, rows: List[StepRow]) -> torch.Tensor:
-        """Each row's last token's index in the flat batch (whose hidden state is sampled)."""
-        return to_device(np.fromiter((r.start + r.num_new - 1 for r in rows), np.int64,
-                                     len(rows)), self.device)
+    def logits_rows(self, rows: List[StepRow]) -> Union[torch.Tensor, slice]:
+        """Each row's last token's index in the flat batch (whose hidden state is sampled); in
+        a decode-only step those are the first len(rows) tokens: a slice, no gather."""
+        last = [r.start + r.num_new - 1 for r in rows]
+        if last == list(range(len(last))):
+            return slice(0, len(last))
+        return to_device(np.array(last, dtype=np.int64), self.device)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:

@@ -229,6 +229,7 @@ class LlamaForCausalLM(nn.Module):
         theta, scaling = rope_parameters(cfg)
         self.rotary = Rotary(cfg.head_dim, max_pos, theta, scaling, dtype, device)
         self.eps = cfg.rms_norm_eps
+        self._decode_scratch = torch.empty(0)          # _scratch(): grown, reused every step
         if self.plan is not None:
             step = self._timed_step if self.layers[0].fused is not None else None
             cpu_kernel_plan.choose_decode_layer(self.plan, step)
@@ -294,11 +295,18 @@ class LlamaForCausalLM(nn.Module):
     def _decode_in_c(self, x, cos, sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = x.contiguous()
         mass = meta.decode_mass
-        scratch = cpu_kernels.decode_scratch(self.layers[0].fused, x.shape[0], meta.decode_views)
+        scratch = self._scratch(x.shape[0], meta.decode_views)
         cpu_kernels.decode_layers(self._fused_stack, x, cos, sin, meta.slot_mapping, kv_caches,
                                   meta.decode_views, meta.decode_lens, mass, scratch,
                                   self.plan.prefetch_next(x.shape[0]))
         return rms_norm(x, self.norm, self.eps)
+
+    def _scratch(self, m: int, views: torch.Tensor) -> torch.Tensor:
+        """decode_scratch's buffer, kept from step to step and grown when a step needs more."""
+        size = cpu_kernels.decode_scratch_floats(self.layers[0].fused, m, views)
+        if self._decode_scratch.numel() < size:
+            self._decode_scratch = torch.empty(size, dtype=torch.float32)
+        return self._decode_scratch
 
     @functools.cached_property
     def _fused_stack(self):
