@@ -128,11 +128,6 @@ def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     return logits
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax (ties -> lowest index, like torch.argmax)."""
-    return argmax_rows(x)
-
-
 def _logprob_dicts(logprobs: torch.Tensor, token_ids: torch.Tensor,
                    ks: Sequence[int]) -> List[Dict[int, Logprob]]:
     """logprobs [N, V] (log_softmax), token_ids [N]; per row a dict with the
@@ -344,12 +339,12 @@ class Sampler:
 
         # fast path: all greedy, no logprobs
         if all(greedy) and not any(want_lp):
-            return SamplerOutput(token_ids=_read_tokens(_argmax(logits)), logprobs=[None] * b)
+            return SamplerOutput(token_ids=_read_tokens(argmax_rows(logits)), logprobs=[None] * b)
 
         # (3)/(4) sampling
         rand = [i for i in range(b) if not greedy[i]]
         if not rand:
-            sampled = _argmax(logits)
+            sampled = argmax_rows(logits)
         else:
             all_rand = len(rand) == b
             rand_t = None if all_rand else _index(rand, dev)
@@ -362,7 +357,7 @@ class Sampler:
             if all_rand:
                 sampled = rand_tok
             else:
-                sampled = _argmax(logits)  # greedy rows; random rows overwritten below
+                sampled = argmax_rows(logits)  # greedy rows; random rows overwritten below
                 sampled.index_copy_(0, rand_t, rand_tok)
 
         token_ids = _read_tokens(sampled)
