@@ -22,7 +22,24 @@ def _tokenizer():
                                    eos_token="</s>")
 
 
-def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+def _byte_tokenizer():
+    """A byte-level BPE with no merges: every text encodes (one token per byte), so grammars
+    over JSON, regexes and tool calls can be followed by a tiny random model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in pre_tokenizers.ByteLevel.alphabet():
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, tokenizer: str = "words",
+                     **overrides) -> str:
+    """tokenizer: "words" (w3 .. w511, one token per word) or "bytes" (byte-level, any text)."""
     import transformers
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -46,7 +63,7 @@ def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides)
     else:
         raise ValueError(arch)
     model.save_pretrained(path)
-    _tokenizer().save_pretrained(path)
+    (_byte_tokenizer() if tokenizer == "bytes" else _tokenizer()).save_pretrained(path)
     return path
 
 
@@ -59,6 +76,13 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models):
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bytes(tmp_path_factory):
+    """A tiny random Llama with the byte-level tokenizer (structured outputs, tool calls)."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("models") / "llama-bytes"), "llama",
+                            tokenizer="bytes")
 
 
 def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40):
