@@ -3,6 +3,7 @@
 import os
 import platform
 import sys
+import types
 
 import pytest
 import torch
@@ -499,19 +500,35 @@ def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
     assert str(kp._cache_path(shapes, (4, 2, 16, 2))) != d["cache_path"]
 
 
+class _FakeClock:
+    """The plan module's clock, advanced only by the layer calls a test makes: timing
+    decisions are then exact, whatever else the host runs meanwhile."""
+
+    def __init__(self, monkeypatch, kp):
+        import time
+        self.now = 0.0
+        monkeypatch.setattr(kp, "time", types.SimpleNamespace(
+            perf_counter=lambda: self.now, monotonic=time.monotonic, sleep=time.sleep))
+
+    def call(self, ms: float):
+        def run():
+            self.now += ms / 1000
+        return run
+
+
 @cpu_built
 def test_plan_keeps_the_faster_prefetch_setting_per_band(monkeypatch, tmp_path):
     """One row streams faster without the next-panel prefetch, more rows with it (as on the
     AMD EPYC Zen 4 host): the plan turns it off in band 0 only, and both the fused layer and
     the C GEMMs of that band follow it."""
-    import time
     from vllm import cpu_kernel_plan as kp
     _timing_scene(monkeypatch, tmp_path, calls=2, others_cores=0.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
+    clock = _FakeClock(monkeypatch, kp)
 
     def step(m, fused, prefetch):
         fast = fused and prefetch == (m > 1)
-        return [lambda: time.sleep(0.001 if fast else 0.004)]
+        return [clock.call(1 if fast else 4)]
     kp.choose_decode_layer(plan, step)
     assert plan.prefetch == [False] + [True] * (len(kp.BANDS) - 1)
     assert plan.decode_layer == [True] * (len(kp.BANDS) - 1) + [False]
@@ -526,20 +543,20 @@ def test_prefetch_choice_follows_the_median_round_not_one_lucky_call(monkeypatch
     """Without prefetch the layer is faster in every round but one, where the prefetching one
     has a lucky call at half its time: the minima would keep the prefetch, the median per-round
     ratio does not."""
-    import time
     from vllm import cpu_kernel_plan as kp
     _timing_scene(monkeypatch, tmp_path, calls=5, others_cores=0.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
+    clock = _FakeClock(monkeypatch, kp)
     calls = {"on": 0}
 
     def prefetching():
         calls["on"] += 1
-        time.sleep(0.001 if calls["on"] % 6 == 3 else 0.002)   # one lucky call per band
+        clock.call(1.0 if calls["on"] % 6 == 3 else 2.0)()     # one lucky call per band
 
     def step(m, fused, prefetch):
         if not fused:
-            return [lambda: time.sleep(0.004)]
-        return [prefetching] if prefetch else [lambda: time.sleep(0.0016)]
+            return [clock.call(4.0)]
+        return [prefetching] if prefetch else [clock.call(1.6)]
     kp.choose_decode_layer(plan, step)
     fused_ms = plan.timings_ms["decode_layer"]
     assert fused_ms["fused"][0] < fused_ms["fused_no_prefetch"][0]      # the minima disagree
