@@ -65,9 +65,11 @@ class ServerThread:
         self.sock.close()
 
 
-def serve(model: str, served_name: str = "tiny", api_key=None, **engine_kwargs):
+def serve(model: str, served_name: str = "tiny", api_key=None, options=None, **engine_kwargs):
+    """options: the app's ServerOptions (server flags)."""
     engine = make_engine(model, **engine_kwargs)
-    return engine, ServerThread(build_app(engine, [served_name], api_key=api_key))
+    return engine, ServerThread(build_app(engine, [served_name], api_key=api_key,
+                                          options=options))
 
 
 def engine_state(engine: AsyncLLMEngine) -> dict:

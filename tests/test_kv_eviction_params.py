@@ -93,6 +93,7 @@ def server(tiny_llama, tmp_path_factory):
 
 
 EVICT = {"kv_eviction_policy": "h2o", "kv_eviction_ratio": 0.5, "kv_min_tokens": 0}
+ASK = {"ignore_eos": True, "kv_usage": True}      # usage.kv is reported when asked for
 LONG_PROMPT = " ".join(f"w{t}" for t in random_prompts(1, seed=54, lo=100, hi=101)[0])
 
 
@@ -100,9 +101,9 @@ def test_completion_evicts_per_request_and_reports_kv(server):
     srv, engine = server
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
     plain = client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=8,
-                                      temperature=0, extra_body={"ignore_eos": True})
+                                      temperature=0, extra_body=ASK)
     evicting = client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=8,
-                                         temperature=0, extra_body={"ignore_eos": True, **EVICT})
+                                         temperature=0, extra_body={**ASK, **EVICT})
     assert plain.usage.kv["evicted_tokens"] == 0
     kv = evicting.usage.kv                      # parsed by the official client (extra field)
     assert kv["evicted_tokens"] > 0 and kv["live_tokens"] + kv["evicted_tokens"] == \
@@ -110,7 +111,7 @@ def test_completion_evicts_per_request_and_reports_kv(server):
     stream = client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=8,
                                        temperature=0, stream=True,
                                        stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True, **EVICT})
+                                       extra_body={**ASK, **EVICT})
     chunks = list(stream)
     assert chunks[-1].usage.kv["evicted_tokens"] == kv["evicted_tokens"]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == evicting.choices[0].text
@@ -122,7 +123,7 @@ def test_chat_evicts_per_request(server):
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
     resp = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=6,
-        temperature=0, extra_body={"ignore_eos": True, "kv_eviction_policy": "streamingllm",
+        temperature=0, extra_body={**ASK, "kv_eviction_policy": "streamingllm",
                                    "kv_budget_tokens": 32, "kv_min_tokens": 0})
     assert resp.usage.kv["evicted_tokens"] > 0 and resp.usage.kv["live_tokens"] == 32
     wait_until_clean(engine)
@@ -150,7 +151,7 @@ def test_streamed_prompt_with_a_score_free_policy_through_the_server(server):
     srv, engine = server
     body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 6, "temperature": 0,
             "ignore_eos": True, "kv_eviction_policy": "keydiff", "kv_budget_tokens": 24,
-            "kv_min_tokens": 0, "kv_prefill_chunk": 16}
+            "kv_min_tokens": 0, "kv_prefill_chunk": 16, "kv_usage": True}
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]

@@ -54,7 +54,14 @@ def test_stop_token_ids_and_strings(llm):
                                                    stop_token_ids=[stop_id]), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref.token_ids[:first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
-    word = llm.get_tokenizer().decode([stop_id])
+    # as upstream: the stop token's text is left out unless include_stop_str_in_output
+    tok = llm.get_tokenizer()
+    assert out.outputs[0].text == tok.decode(ref.token_ids[:first])
+    kept = llm.generate("w5 w9 w13", SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id],
+        include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == tok.decode(ref.token_ids[:first + 1])
+    word = tok.decode([stop_id])
     out = llm.generate("w5 w9 w13", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                    stop=[word]), use_tqdm=False)[0].outputs[0]
     assert out.stop_reason == word and word not in out.text
@@ -124,3 +131,18 @@ def test_sequence_that_outgrows_the_pool_finishes_as_kv_exhausted(tiny_llama):
     assert len(out.outputs[0].token_ids) == 15
     assert out.kv_stats["blocks_at_finish"] == 3 and out.kv_stats["live_tokens"] == 24
     _clean(small)
+
+
+def test_chat_continue_final_message(llm):
+    from tests.server_utils import CHAT_TEMPLATE
+    msgs = [{"role": "user", "content": "w9"}, {"role": "assistant", "content": "w11 w12"}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.chat(msgs, params, use_tqdm=False, chat_template=CHAT_TEMPLATE,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    # the prompt ends inside the assistant's message: no end-of-turn word (w4) after it
+    assert out.prompt.rstrip().endswith("w11 w12")
+    assert out.outputs[0].token_ids == llm.generate(
+        {"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="continue_final_message"):   # upstream's rule
+        llm.chat(msgs, params, chat_template=CHAT_TEMPLATE, continue_final_message=True)
+    _clean(llm)

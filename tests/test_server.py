@@ -238,7 +238,6 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "w5", ', "body"),          # malformed JSON
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": 5}, "prompt"),
-    ("/v1/completions", {"model": "nope", "prompt": "w5"}, "model"),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "max_tokens": -3}, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": " ".join(["w9"] * 1024)}, "prompt"),
@@ -263,7 +262,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "w5"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 0},
      "max_tokens"),
-    ("/v1/chat/completions", {"model": "nope", "messages": MESSAGES}, "model"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
     ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "top_logprobs": 2},
@@ -299,7 +297,19 @@ def test_unknown_route_404_and_still_serving(server, client):
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
-    with pytest.raises(openai.BadRequestError):
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"model": "nope", "prompt": "w5"}),
+                                       ("/v1/chat/completions",
+                                        {"model": "nope", "messages": MESSAGES})])
+def test_unknown_model_is_404(server, client, path, body):
+    """upstream's choice: an unknown model is a 404 (NotFoundError), naming the model."""
+    r = post(server, path, body)
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["type"] == "not_found_error" and err["param"] == "model"
+    assert err["message"] == "The model `nope` does not exist."
+    with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="w5")
 
 
@@ -310,7 +320,7 @@ def test_non_streaming_disconnect_aborts(server):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
     wait_until_clean(server.engine, timeout=10)
     after = _metric_values(httpx.get(server.url + "/metrics").text)
-    key = 'vllm:generation_tokens_total{model_name="tiny"}'
+    key = 'vllm:generation_tokens_total{engine="0",model_name="tiny"}'
     assert after[key] - before[key] < 500        # aborted, not run to 1000 tokens
 
 
@@ -353,9 +363,9 @@ def test_metrics(server, client):
                  "vllm:kv_relocated_tokens_total"):
         assert f"\n{name}{{" in text, name
     values = _metric_values(text)
-    assert values['vllm:generation_tokens_total{model_name="tiny"}'] >= 4
-    assert values['vllm:prompt_tokens_total{model_name="tiny"}'] >= 3
-    assert values['vllm:kv_cache_usage_perc{model_name="tiny"}'] == 0.0
+    assert values['vllm:generation_tokens_total{engine="0",model_name="tiny"}'] >= 4
+    assert values['vllm:prompt_tokens_total{engine="0",model_name="tiny"}'] >= 3
+    assert values['vllm:kv_cache_usage_perc{engine="0",model_name="tiny"}'] == 0.0
 
 
 def _metric_values(text: str) -> dict:
@@ -404,8 +414,8 @@ def test_eviction_flags_through_server(model_dir):
                                             temperature=0, extra_body={"ignore_eos": True})
             assert out.choices[0].text == r.outputs[0].text
         values = _metric_values(httpx.get(srv.url + "/metrics").text)
-        assert values['vllm:kv_evicted_tokens_total{model_name="tiny"}'] > 0
-        assert values['vllm:kv_relocation_events_total{model_name="tiny"}'] > 0
+        assert values['vllm:kv_evicted_tokens_total{engine="0",model_name="tiny"}'] > 0
+        assert values['vllm:kv_relocation_events_total{engine="0",model_name="tiny"}'] > 0
         wait_until_clean(engine)
 
 

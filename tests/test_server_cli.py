@@ -93,7 +93,7 @@ def test_vllm_serve_starts_and_answers(tiny_llama):
                                         extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 20
         metrics = httpx.get(url + "/metrics").text
-        assert 'vllm:kv_evicted_tokens_total{model_name="tiny"}' in metrics
+        assert 'vllm:kv_evicted_tokens_total{engine="0",model_name="tiny"}' in metrics
         assert httpx.get(url + "/v1/models").status_code == 401
     finally:
         proc.send_signal(signal.SIGINT)

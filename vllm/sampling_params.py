@@ -1,8 +1,63 @@
 """SamplingParams with upstream vLLM's field names and validation."""
-from dataclasses import dataclass, field
+import json as _json
+from dataclasses import InitVar, dataclass, field
 from typing import Dict, List, Optional, Union
 
+from vllm.outputs import RequestOutputKind   # re-exported here, as upstream
+
 _GREEDY_EPS = 1e-5
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output, compiled by the engine (vllm/structured_output/): a JSON
+    schema (dict or JSON text), a regex, a choice of strings, an EBNF grammar, or any JSON
+    object. disable_any_whitespace: JSON output without free whitespace between tokens."""
+    json: Optional[Union[str, Dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar "
+                             f"or json_object; got {', '.join(kinds) or 'none'}")
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self._verify(kinds[0])
+
+    def _verify(self, kind: str) -> None:
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    _json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"json must be a JSON schema; the string is not valid "
+                                     f"JSON: {e}") from None
+            elif not isinstance(value, dict):
+                raise ValueError(f"json must be a JSON schema (dict or JSON string), "
+                                 f"got {type(value).__name__}")
+        elif kind == "choice":
+            if not isinstance(value, list) or not value or \
+                    not all(isinstance(c, str) for c in value):
+                raise ValueError("choice must be a non-empty list of strings")
+        elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"{kind} must be a non-empty string")
+        elif kind == "json_object" and value is not True:
+            raise ValueError(f"json_object must be true or unset, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+
+GuidedDecodingParams = StructuredOutputsParams   # upstream's older name
 
 
 @dataclass
@@ -27,8 +82,21 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    allowed_token_ids: Optional[List[int]] = None   # sample only among these tokens
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # AsyncLLMEngine.generate
+    guided_decoding: InitVar[Optional[StructuredOutputsParams]] = None   # older name of the above
 
-    def __post_init__(self):
+    def __post_init__(self, guided_decoding: Optional[StructuredOutputsParams] = None):
+        if guided_decoding is not None:
+            if self.structured_outputs not in (None, guided_decoding):
+                raise ValueError("guided_decoding is the older name of structured_outputs; "
+                                 "set only one of them")
+            self.structured_outputs = guided_decoding
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -71,6 +139,15 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}.")
         if any(not s for s in self.stop):
             bad("stop", "cannot contain an empty string.")
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}.")
+        ids = self.allowed_token_ids
+        if ids is not None and not ids:
+            bad("allowed_token_ids", "must not be empty (it would allow no token).")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids or ()):
+            bad("allowed_token_ids", "must be non-negative token ids.")
 
     @property
     def greedy(self) -> bool:
@@ -81,3 +158,8 @@ class SamplingParams:
         """Penalties or a logit bias: the sampler needs this row's token history."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0)
+
+
+# Read access under the older name too. Set after the class is built: a property in the class
+# body would become the InitVar's default.
+SamplingParams.guided_decoding = property(lambda self: self.structured_outputs)

@@ -50,10 +50,13 @@ class Sequence:
         self.prompt_logprobs: Optional[List[Optional[Dict]]] = None
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
+        self.first_scheduled_time: Optional[float] = None   # first admission (queue time ends)
         self.generator: Optional[torch.Generator] = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
         self.kv_config = None                   # this request's KVEvictionConfig (None: engine's)
+        self.grammar = None                     # structured outputs: a SequenceGrammar that
+                                                # follows the output tokens
         self.policy = None                      # per-request eviction policy state
         self.prefill_end = 0                    # tokens prefilled since the last admission
         self.policy_ran = False                 # the policy has seen this admission's prompt

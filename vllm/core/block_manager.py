@@ -31,6 +31,9 @@ class BlockManager:
         self.token_table = TokenTable(block_size)
         self.peak_used = 0
         self.cache_hit_blocks = 0       # blocks admitted requests took from the prefix cache
+        # upstream's prefix-cache counters, in tokens: looked up at admission / found cached
+        self.cache_query_tokens = 0
+        self.cache_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -85,6 +88,9 @@ class BlockManager:
         assert not seq.block_ids, f"{seq.seq_id} already holds blocks"
         self.pool.touch(hits)
         self.cache_hit_blocks += len(hits)
+        if self.enable_prefix_caching:
+            self.cache_query_tokens += seq.num_tokens
+            self.cache_hit_tokens += len(hits) * self.block_size
         seq.block_ids = list(hits) + self.pool.allocate(cdiv(num_new_tokens, self.block_size))
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_blocks = len(hits)

@@ -49,6 +49,8 @@ class KVManager:
 
     # ---- scheduler: waiting -> running --------------------------------------------------------
     def computed_blocks(self, seq: Sequence) -> List[int]:
+        if seq.params.prompt_logprobs is not None:
+            return []     # (upstream too) every prompt position must run to score the prompt
         return self.bm.computed_blocks(seq, self.eviction.max_cache_hits(seq))
 
     def can_allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> bool:
@@ -130,6 +132,8 @@ class KVManager:
         stats["evicted_tokens"] = self.eviction.evicted_tokens
         stats["hole_slots_reused"] = self.filler.slots_reused if self.filler else 0
         stats["prefix_cache_hit_blocks"] = self.bm.cache_hit_blocks
+        stats["prefix_cache_queries"] = self.bm.cache_query_tokens
+        stats["prefix_cache_hits"] = self.bm.cache_hit_tokens
         stats.update(self.reclaimer.stats() if self.reclaimer else ReclamationBackend.idle_stats())
         return stats
 

@@ -9,6 +9,7 @@ Under eviction a request's logical length can exceed the pool. Its re-prefill th
 bounded chunks and evicts after each (KVManager.chunk_bound); a request that cannot grow
 even with the pool to itself is finished as FINISHED_KV_EXHAUSTED, never retried forever.
 """
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Iterable, List, Optional, Tuple
@@ -129,6 +130,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             kv.allocate(seq, hits, n)
+            seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

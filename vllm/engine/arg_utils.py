@@ -1,7 +1,7 @@
 """EngineArgs: the engine's options, with upstream vLLM's CLI flag names."""
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Optional
 
 from vllm.config import DEVICES, EVICTION_POLICIES, RECLAMATION_MODES, KVEvictionConfig
@@ -48,6 +48,7 @@ class EngineArgs:
     kv_check_invariants: bool = False
     kv_eviction_log: bool = False          # keep Sequence.eviction_log (debugging, tests)
     kv_reclaim_force_sync: bool = False
+    disable_log_stats: bool = False        # upstream's flag; this engine logs no periodic stats
 
     def eviction_config(self) -> KVEvictionConfig:
         return KVEvictionConfig(**{dst: getattr(self, src) for src, dst in _KV_FIELDS.items()})
@@ -104,9 +105,31 @@ class EngineArgs:
             help="debugging: keep every evicted token id per request (memory grows with length)")
         add("--kv-reclaim-force-sync", action="store_true",
             help="ablation: wait for every relocation copy instead of polling its event")
+        add("--disable-log-stats", action="store_true",
+            help="accepted for upstream compatibility (this engine logs no periodic stats)")
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs plus the options of the serving engine (AsyncLLMEngine), as upstream."""
+    enable_log_requests: bool = False      # log each request's arrival, abort and failure
+    disable_log_requests: InitVar[Optional[bool]] = None   # upstream's older, inverted name
+
+    def __post_init__(self, disable_log_requests: Optional[bool]):
+        if disable_log_requests is not None:
+            self.enable_log_requests = not disable_log_requests
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False):
+        EngineArgs.add_cli_args(parser, model_positional)
+        parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                            default=False, help="log each request's arrival and end")
+        parser.add_argument("--disable-log-requests", dest="enable_log_requests",
+                            action="store_false", help=argparse.SUPPRESS)  # upstream's older flag
+        return parser

@@ -12,6 +12,9 @@ plain callables on a queue; a request's errors (bad prompt, failed step) travel 
 own stream and are raised by `generate()`. A failing step aborts every request in flight
 (their engine state is suspect) and the loop goes on. Every request is added to the engine with stream=True, so the thread sees
 every new token (for TTFT / inter-token latency) and callers may stream or wait for the end.
+
+The Python API is upstream's (AsyncEngineArgs -> from_engine_args -> generate / abort /
+check_health / shutdown): the loop starts with the first request, so a script needs no start().
 """
 import asyncio
 import concurrent.futures
@@ -20,11 +23,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from vllm.engine.llm_engine import LLMEngine, PromptType
 from vllm.kv_eviction_params import KVEvictionParams
-from vllm.outputs import RequestOutput
+from vllm.outputs import RequestOutput, RequestOutputKind, delta_output
 from vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,24 @@ logger = logging.getLogger(__name__)
 
 class EngineStepError(RuntimeError):
     """The engine failed while this request was in flight; the request was aborted."""
+
+
+class EngineDeadError(EngineStepError):
+    """The engine loop is not running: it died or was shut down (upstream's name)."""
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished request's phases (upstream's): queued = arrival -> first admission,
+    prefill = admission -> first token, decode = first -> last token, inference = both."""
+    e2e: float
+    reason: str
+    queued: float
+    prefill: float
+    decode: float
+    inference: float
+    prompt_tokens: int
+    generation_tokens: int     # over all n samples
 
 
 @dataclass
@@ -44,6 +65,8 @@ class StepStats:
     ttft: List[float] = field(default_factory=list)
     itl: List[float] = field(default_factory=list)
     finished: List[Tuple[float, str]] = field(default_factory=list)   # (e2e latency, reason)
+    finished_requests: List[FinishedRequestStats] = field(default_factory=list)
+    n_params: List[int] = field(default_factory=list)   # n of each request that began decoding
 
 
 class RequestStream:
@@ -70,9 +93,15 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 1.0):
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 1.0, log_requests: bool = False,
+                 start_engine_loop: bool = True):
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.log_requests = log_requests
+        self.start_engine_loop = start_engine_loop   # the first request starts the loop
+        self._death: Optional[BaseException] = None  # what killed the loop thread
+        self._closed = False          # the loop thread has ended: _submit refuses commands
+        self._submit_lock = threading.Lock()
         self._commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: Dict[str, RequestStream] = {}       # engine thread only
@@ -84,8 +113,9 @@ class AsyncLLMEngine:
         self.snapshot: Dict[str, float] = self._snapshot()
 
     @classmethod
-    def from_engine_args(cls, args) -> "AsyncLLMEngine":
-        """Builds the LLMEngine on the thread that will step it, which then waits for start().
+    def from_engine_args(cls, args, start_engine_loop: bool = True) -> "AsyncLLMEngine":
+        """Builds the LLMEngine on the thread that will step it, which then waits for start()
+        (or the first request, unless start_engine_loop is false).
         Stepping an engine from a thread other than the one that loaded it ran the CPU decode
         path ~25% slower (42 vs 31 tok/s at batch 1 on a 2-core AMD EPYC: OpenMP teams and
         first-touched memory belong to the loading thread)."""
@@ -104,7 +134,8 @@ class AsyncLLMEngine:
 
         thread = threading.Thread(target=builder_then_loop, name="engine-loop", daemon=True)
         thread.start()
-        self = cls(built.result())
+        self = cls(built.result(), log_requests=getattr(args, "enable_log_requests", False),
+                   start_engine_loop=start_engine_loop)
         owner.append(self)
         self._thread, self._parked = thread, parked
         return self
@@ -114,8 +145,18 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    async def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    async def get_model_config(self):
+        return self.engine.model_config
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -126,7 +167,9 @@ class AsyncLLMEngine:
             return
         if self.is_running:
             return
-        self._stopping = False
+        if self._thread is not None:          # an ended loop first fails what it still holds
+            self._thread.join()
+        self._death, self._closed, self._stopping = None, False, False
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -142,24 +185,62 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._parked is None and self._thread is not None and self._thread.is_alive()
+        return (not self._closed and self._parked is None and self._thread is not None
+                and self._thread.is_alive())
+
+    @property
+    def errored(self) -> bool:
+        """The loop died or was shut down (not merely waiting for its first request)."""
+        return self._death is not None or self._stopping or self._closed
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        if self._death is not None:
+            return EngineDeadError(f"the engine loop died: {self._death!r}")
+        if self.errored:
+            return EngineDeadError("the engine loop was shut down")
+        return EngineDeadError("the engine loop is not running (start_engine_loop=False and "
+                               "start() was not called)")
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError once the loop died or was shut down."""
+        if self.errored:
+            raise self.dead_error
+
+    def _ensure_running(self) -> None:
+        if self.is_running:
+            return
+        if self.errored or not self.start_engine_loop:
+            raise self.dead_error
+        self.start()
 
     def add_stat_listener(self, fn: Callable[[StepStats], None]) -> None:
         """fn runs on the engine thread after every step; it must be quick and thread-safe."""
         self._listeners.append(fn)
 
     # ---- the API the server uses --------------------------------------------------------------
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str, *, lora_request=None, priority: int = 0,
                        kv_eviction: Optional[KVEvictionParams] = None,
-                       deltas: bool = True) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative output after every step (deltas=False: only the
-        final one, so a non-streaming request wakes the event loop once, not once per token);
-        the last one is finished. Leaving early (break, cancellation, client disconnect) aborts
-        the request."""
-        if not self.is_running:
-            raise RuntimeError("the engine loop is not running")
-        stream = RequestStream(request_id, asyncio.get_running_loop(), deltas)
-        self._submit(lambda: self._add(stream, prompt, params, kv_eviction))
+                       deltas: Optional[bool] = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as sampling_params.output_kind asks: the cumulative
+        output after every step (default), only what is new (DELTA), or the final output alone
+        (FINAL_ONLY: the event loop wakes once, not once per token); the last one is finished.
+        deltas (the server's switch) overrides it: True = cumulative, False = final only.
+        Leaving early (break, cancellation, client disconnect) aborts the request."""
+        _check_supported(lora_request, priority)
+        self._ensure_running()
+        kind = sampling_params.output_kind if deltas is None else (
+            RequestOutputKind.CUMULATIVE if deltas else RequestOutputKind.FINAL_ONLY)
+        stream = RequestStream(request_id, asyncio.get_running_loop(),
+                               deltas=kind != RequestOutputKind.FINAL_ONLY)
+        if not self._submit(lambda: self._add(stream, prompt, sampling_params, kv_eviction)):
+            raise self.dead_error
+        sent: Dict[int, Tuple[int, int]] = {}
         try:
             while True:
                 item = await stream.queue.get()
@@ -167,19 +248,22 @@ class AsyncLLMEngine:
                     stream.finished = True
                     raise item
                 stream.finished = item.finished
-                yield item
+                yield delta_output(item, sent) if kind == RequestOutputKind.DELTA else item
                 if item.finished:
                     return
         finally:
             if not stream.finished:
-                self.abort(request_id)
+                self._submit(lambda: self._abort(request_id))
 
-    def abort(self, request_id: str) -> None:
-        """Thread-safe and non-blocking; unknown or finished ids are ignored."""
-        self._submit(lambda: self._abort(request_id))
+    async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Ends the requests; each one's generate() yields a last output with finish_reason
+        "abort". Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._submit(lambda: [self._abort(rid, notify=True) for rid in ids])
 
     def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps (e.g. check_invariants)."""
+        self._ensure_running()
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def run():
@@ -187,7 +271,8 @@ class AsyncLLMEngine:
                 fut.set_result(fn(self.engine))
             except BaseException as e:   # delivered to the caller, never raised in the loop
                 fut.set_exception(e)
-        self._submit(run)
+        if not self._submit(run):
+            fut.set_exception(self.dead_error)
         return fut
 
     async def acall(self, fn: Callable[[LLMEngine], object]):
@@ -197,9 +282,14 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     # ---- engine thread ------------------------------------------------------------------------
-    def _submit(self, cmd: Callable[[], None]) -> None:
-        self._commands.put(cmd)
+    def _submit(self, cmd: Callable[[], None]) -> bool:
+        """False once the loop thread has ended (it runs every command accepted before)."""
+        with self._submit_lock:
+            if self._closed:
+                return False
+            self._commands.put(cmd)
         self._wake.set()
+        return True
 
     def _add(self, stream: RequestStream, prompt: PromptType, params: SamplingParams,
              kv_eviction: Optional[KVEvictionParams]) -> None:
@@ -210,13 +300,29 @@ class AsyncLLMEngine:
             self.engine.add_request(rid, prompt, params, arrival_time=stream.arrival, stream=True,
                                     kv_eviction=kv_eviction)
         except Exception as e:   # bad prompt or params: the caller gets it, the loop goes on
+            if self.log_requests:
+                logger.info("Request %s failed: %s", rid, e)
             stream.put(e)
             return
         self._streams[rid] = stream
+        if self.log_requests:
+            logger.info("Added request %s.", rid)
 
-    def _abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
-            self.engine.abort_request(request_id)
+    def _abort(self, request_id: str, notify: bool = False) -> None:
+        """notify: hand the caller a last output (finish_reason "abort") that ends its stream."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        state = self.engine.requests.get(request_id)
+        # what it has generated so far, as a finished output
+        final = self.engine._make_output(state, True) if notify and state is not None else None
+        self.engine.abort_request(request_id)
+        if final is not None:
+            for c in final.outputs:
+                c.finish_reason = c.finish_reason or "abort"
+            stream.put(final)
+        if self.log_requests:
+            logger.info("Aborted request %s.", request_id)
 
     def _drain_commands(self) -> None:
         while True:
@@ -230,6 +336,18 @@ class AsyncLLMEngine:
                 logger.exception("engine command failed")
 
     def _loop(self) -> None:
+        try:
+            self._step_until_stopped()
+        except BaseException as e:   # not an Exception: the thread ends, its requests fail
+            self._death = e
+            logger.critical("the engine loop died", exc_info=e)
+        with self._submit_lock:      # a request submitted from now on is refused, not lost
+            self._closed = True
+        self._drain_commands()
+        self._fail_all(self.dead_error if self._death is not None
+                       else EngineDeadError("the engine is shutting down"))
+
+    def _step_until_stopped(self) -> None:
         while not self._stopping:
             try:
                 self._run_once()
@@ -239,8 +357,6 @@ class AsyncLLMEngine:
                 self.num_step_errors += 1
                 self._fail_all(EngineStepError(f"engine step failed: {e!r}"))
                 time.sleep(0.01)
-        self._drain_commands()
-        self._fail_all(EngineStepError("the engine is shutting down"))
 
     def _run_once(self) -> None:
         self._wake.clear()
@@ -259,7 +375,7 @@ class AsyncLLMEngine:
         except Exception:
             logger.exception("abort after a failed step also failed")
         for rid in ids:
-            self._streams.pop(rid).put(EngineStepError(str(error)))
+            self._streams.pop(rid).put(type(error)(str(error)))
 
     def _dispatch(self, outputs: List[RequestOutput]) -> None:
         stats = StepStats(now=time.monotonic(), snapshot={})
@@ -289,6 +405,7 @@ class AsyncLLMEngine:
             if stream.last_token_time is None:
                 stats.prompt_tokens += len(out.prompt_token_ids)
                 stats.ttft.append(stats.now - stream.arrival)
+                stats.n_params.append(len(out.outputs))
             else:
                 stats.itl.append(stats.now - stream.last_token_time)
             stream.last_token_time = stats.now
@@ -297,6 +414,7 @@ class AsyncLLMEngine:
         if out.finished:
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
             stats.finished.append((stats.now - stream.arrival, reason))
+            stats.finished_requests.append(_finished_stats(stream, out, stats.now, reason, n))
 
     def _snapshot(self) -> Dict[str, float]:
         e = self.engine
@@ -313,3 +431,23 @@ class AsyncLLMEngine:
                     num_preemptions=e.scheduler.num_preemptions,
                     num_token_tables=len(bm.token_table))
         return snap
+
+
+def _check_supported(lora_request, priority: int) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: this engine serves no LoRA adapters")
+    if priority != 0:
+        raise ValueError(f"priority: got {priority}, but this engine schedules first come, "
+                         "first served (only priority 0)")
+
+
+def _finished_stats(stream: RequestStream, out: RequestOutput, now: float, reason: str,
+                    num_generated: int) -> FinishedRequestStats:
+    m = out.metrics
+    admitted = m.get("first_scheduled_time") or stream.arrival
+    first = m.get("first_token_time") or now
+    return FinishedRequestStats(
+        e2e=now - stream.arrival, reason=reason, queued=max(admitted - stream.arrival, 0.0),
+        prefill=max(first - admitted, 0.0), decode=max(now - first, 0.0),
+        inference=max(now - admitted, 0.0), prompt_tokens=len(out.prompt_token_ids),
+        generation_tokens=num_generated)

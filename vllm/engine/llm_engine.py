@@ -21,6 +21,7 @@ from vllm.model_executor.sampler import (Sampler, SamplerOutput, SamplingRow,
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceStatus
+from vllm.structured_output import SequenceGrammar, StructuredOutputManager
 from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.model_runner import ModelRunner, StepRow, profile_forward
 from vllm.worker.relocation import RelocationExecutor
@@ -106,9 +107,15 @@ class LLMEngine:
                 self.kv_caches, force_sync=self.kv_config.reclaim_force_sync,
                 check=self.kv_config.check_invariants)
         self.sampler = Sampler()
+        # compiles nothing (and imports no xgrammar) until a request asks for structured outputs
+        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
         self.stop_checker = StopChecker(self.tokenizer, max_len)
         self.requests: Dict[str, RequestState] = {}
         self._warn_if_pool_short(num_blocks * args.block_size)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        return cls(engine_args)
 
     @staticmethod
     def _device(args: EngineArgs) -> str:
@@ -209,12 +216,15 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._validate_prompt(ids)
+        self._validate_allowed_tokens(params)
+        grammars = self._new_grammars(params)     # compiles (cached) or raises: no state yet
         kv_config = kv_eviction.apply(self.kv_config) if kv_eviction is not None else None
         seqs = [Sequence(request_id if params.n == 1 else f"{request_id}#{i}", request_id, i,
                          text, ids, params, self._eos_token_id(), arrival_time)
                 for i in range(params.n)]
-        for seq in seqs:
+        for seq, grammar in zip(seqs, grammars):
             seq.kv_config = kv_config
+            seq.grammar = grammar
             if seq.generator is not None and self.device.type != "cpu":
                 # seeded draws happen on the logits' device, from a generator there
                 seq.generator = torch.Generator(self.device).manual_seed(params.seed + seq.index)
@@ -222,12 +232,26 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
+    def _validate_allowed_tokens(self, params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad:   # upstream: "allowed_token_ids contains out-of-vocab token id!"
+            raise ValueError(f"allowed_token_ids contains out-of-vocab token id {bad[0]} "
+                             f"(out of vocabulary of size {vocab})")
+
+    def _new_grammars(self, params: SamplingParams) -> List[Optional[SequenceGrammar]]:
+        """One grammar state per sample, so that n > 1 samples follow it independently."""
+        if params.structured_outputs is None:
+            return [None] * params.n
+        return [self.structured_output.new_grammar(params.structured_outputs)
+                for _ in range(params.n)]
+
     def _eos_token_id(self) -> Optional[int]:
         return self.tokenizer.eos_token_id if self.tokenizer is not None else None
 
     def _validate_prompt(self, ids: List[int]) -> None:
         if not ids:
-            raise ValueError("The prompt cannot be empty")
+            raise ValueError("The decoder prompt cannot be empty")   # upstream's wording
         vocab = self.model.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"Token id {max(ids) if max(ids) >= vocab else min(ids)} "
@@ -281,7 +305,7 @@ class LLMEngine:
         logits = self.model.compute_logits(hidden[self.runner.logits_rows(rows)])
         return self.sampler(logits, [SamplingRow(r.seq.params, r.seq.generator,
                                                  r.seq.num_output_tokens, r.seq.eos_token_id,
-                                                 r.seq.token_ids)
+                                                 r.seq.token_ids, r.seq.grammar)
                                      for r in rows])
 
     def _append_tokens(self, rows: List[StepRow], out: SamplerOutput) -> None:
@@ -294,8 +318,23 @@ class LLMEngine:
                 self._decode_logprobs(lps)
                 seq.output_logprobs.append(lps)
             status = self.stop_checker.check(seq, stream=self.requests[seq.request_id].stream)
+            if status is None and seq.grammar is not None:
+                status = self._advance_grammar(seq, token)
             if status is not None:
                 self.scheduler.finish(seq, status)
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> Optional[SequenceStatus]:
+        """Feed the sampled token to the sequence's grammar. A terminated grammar (its stop
+        token accepted, e.g. EOS under ignore_eos) finishes the sequence as a normal stop."""
+        if seq.grammar.accept(token):
+            return SequenceStatus.FINISHED_STOPPED if seq.grammar.terminated else None
+        # only when masks left no grammar token (e.g. min_tokens or allowed_token_ids against
+        # a grammar that allows only EOS): continuing would leave the grammar
+        logger.warning("request %s: sampled token %d is outside its grammar (min_tokens or "
+                       "allowed_token_ids exclude every token it allows); finishing it",
+                       seq.request_id, token)
+        return SequenceStatus.FINISHED_STOPPED
 
     @torch.inference_mode()
     def _record_prompt_logprobs(self, rows: List[StepRow], hidden: torch.Tensor) -> None:
@@ -348,7 +387,9 @@ class LLMEngine:
                 list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 seq.finish_reason, seq.stop_reason))
         first = state.seqs[0]
+        scheduled = [s.first_scheduled_time for s in state.seqs if s.first_scheduled_time]
         metrics = {"arrival_time": state.arrival_time, "first_token_time": first.first_token_time,
+                   "first_scheduled_time": min(scheduled) if scheduled else None,
                    "finished_time": time.monotonic() if finished else None,
                    "num_preemptions": sum(s.num_preemptions for s in state.seqs)}
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,

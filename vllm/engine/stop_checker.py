@@ -14,8 +14,11 @@ class StopChecker:
             return   # already truncated at the stop string
         if self.tokenizer is None:
             return
+        ids = seq.output_token_ids
+        if isinstance(seq.stop_reason, int) and not seq.params.include_stop_str_in_output:
+            ids = ids[:-1]   # as upstream: a stop token id ends the text without its own text
         seq.output_text = self.tokenizer.decode(
-            seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def check(self, seq: Sequence, stream: bool = False) -> Optional[SequenceStatus]:
         p = seq.params

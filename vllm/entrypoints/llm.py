@@ -45,17 +45,29 @@ class LLM:
              use_tqdm: bool = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True,
              kv_eviction: Union[KVEvictionParams, Seq[Optional[KVEvictionParams]],
-                                None] = None) -> List[RequestOutput]:
+                                None] = None,
+             tools: Optional[List[Dict]] = None,
+             continue_final_message: bool = False) -> List[RequestOutput]:
+        """tools: OpenAI-style function tools for templates that render them (e.g.
+        examples/tool_chat_template_hermes.jinja); the output is not parsed for calls.
+        continue_final_message: the prompt ends inside the last (assistant) message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt)
+        prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt, tools=tools,
+                                            continue_final_message=continue_final_message)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, kv_eviction)
 
     def apply_chat_template(self, messages: List[Dict], chat_template: Optional[str] = None,
-                            add_generation_prompt: bool = True) -> Dict:
+                            add_generation_prompt: bool = True,
+                            tools: Optional[List[Dict]] = None,
+                            continue_final_message: bool = False) -> Dict:
+        if continue_final_message and add_generation_prompt:   # upstream's rule and wording
+            raise ValueError("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.")
         tok = self.get_tokenizer()
         text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt, tools=tools,
+                                       continue_final_message=continue_final_message)
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
     def get_kv_stats(self) -> Dict[str, float]:

@@ -1,23 +1,27 @@
-"""Token sampler: min_tokens masking, raw logprobs, logit bias and repetition / presence /
-frequency penalties, greedy / random sampling with temperature, top-k, top-p and min-p, and
-per-request seeded generators.
+"""Token sampler: grammar (structured outputs) and min_tokens masking, raw logprobs,
+allowed_token_ids, logit bias and repetition / presence / frequency penalties, greedy / random
+sampling with temperature, top-k, top-p and min-p, and per-request seeded generators.
 
 All per-row parameters are turned into tensors and applied as batched ops; the
-only per-row Python loop that touches tensors draws the random noise of
+only per-row Python loops that touch tensors draw the random noise of
 rows that own a seeded ``torch.Generator`` (so that such a row consumes exactly
-the same random numbers whether it runs alone or inside any batch).
+the same random numbers whether it runs alone or inside any batch) and have each
+grammar row's matcher fill its row of the shared bitmask (one batched apply follows).
 
 On CUDA the only host sync is reading the sampled tokens (`_read_tokens`; logprobs, when
 asked for, are read after it): parameters go up with non-blocking copies from pinned memory,
 and top-p sorts the whole vocabulary instead of retrying with more candidates.
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from vllm._custom_ops import argmax_rows, to_device
 from vllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm.structured_output import GrammarBitmask, SequenceGrammar
 
 _NEG_INF = float("-inf")
 
@@ -36,6 +40,7 @@ class SamplingRow:                        # one per logits row
     num_generated: int                    # output tokens produced so far (for min_tokens)
     eos_token_id: Optional[int]
     token_ids: Sequence[int] = ()         # prompt + output so far (read only for penalties)
+    grammar: Optional["SequenceGrammar"] = None   # structured outputs: the tokens allowed next
 
 
 @dataclass
@@ -85,6 +90,25 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     logits = logits.clone()
     logits[_index(r_idx, logits.device), _index(t_idx, logits.device)] = _NEG_INF
     return logits
+
+
+def _apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                          idx: List[int]) -> torch.Tensor:
+    """-inf on every token outside allowed_token_ids, for the rows idx that set it (one batched
+    fill). Returns a new tensor; the input is not modified."""
+    idx = [i for i in idx if rows[i].params.allowed_token_ids is not None]
+    if not idx:
+        return logits
+    dev = logits.device
+    allowed = [torch.as_tensor(rows[i].params.allowed_token_ids, dtype=torch.long) for i in idx]
+    # row j's ids -> (j, id) pairs: [[4, 9], [7]] -> rows [0, 0, 1], tokens [4, 9, 7]
+    pair_rows = torch.repeat_interleave(torch.arange(len(idx)),
+                                        torch.tensor([len(a) for a in allowed]))
+    keep = torch.zeros((len(idx), logits.shape[1]), dtype=torch.bool)
+    keep[pair_rows, torch.cat(allowed)] = True
+    idx_t = _index(idx, dev)
+    sub = logits[idx_t].masked_fill_(~to_device(keep, dev), _NEG_INF)
+    return logits.index_copy(0, idx_t, sub)
 
 
 def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -316,7 +340,12 @@ def _draw(probs: torch.Tensor, gens: List[Optional[torch.Generator]]) -> torch.T
 # Sampler
 # --------------------------------------------------------------------------- #
 class Sampler:
-    """Samples one token per logits row according to that row's SamplingParams."""
+    """Samples one token per logits row according to that row's SamplingParams.
+
+    Rows with a grammar are masked in place in `logits` (the caller's logits are scratch)."""
+
+    def __init__(self):
+        self.bitmask: Optional["GrammarBitmask"] = None   # allocated at the first grammar row
 
     def __call__(self, logits: torch.Tensor, rows: List[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2:
@@ -330,8 +359,18 @@ class Sampler:
             logits = logits.float()
         dev = logits.device
 
-        # (1) min_tokens; logprobs are taken here, before bias and penalties (upstream's raw)
+        # one flag scan: without grammar / allowed_token_ids rows no masking code runs
+        masked = [i for i, r in enumerate(rows)
+                  if r.grammar is not None or r.params.allowed_token_ids is not None]
+        if masked:
+            self._apply_grammars(logits, rows, masked)
+
+        # (1) min_tokens; logprobs are taken here, before allowed_token_ids, bias and penalties
+        # (upstream's raw logprobs: its runner applies the grammar bitmask before its sampler,
+        # which then reads raw logprobs before allowed_token_ids and penalties)
         raw = logits = _apply_min_tokens(logits, rows)
+        if masked:
+            logits = _apply_allowed_tokens(logits, rows, masked)
         logits = _adjust_logits(logits, rows)
 
         greedy = [r.params.greedy for r in rows]
@@ -376,6 +415,16 @@ class Sampler:
             for i, d in zip(lp_rows, dicts):
                 out_lp[i] = d
         return SamplerOutput(token_ids=token_ids, logprobs=out_lp)
+
+    def _apply_grammars(self, logits: torch.Tensor, rows: List[SamplingRow],
+                        idx: List[int]) -> None:
+        idx = [i for i in idx if rows[i].grammar is not None]
+        if not idx:
+            return
+        if self.bitmask is None:
+            from vllm.structured_output import GrammarBitmask
+            self.bitmask = GrammarBitmask()
+        self.bitmask.apply(logits, idx, [rows[i].grammar for i in idx])
 
 
 __all__ = ["Logprob", "SamplingRow", "SamplerOutput", "Sampler", "compute_prompt_logprobs"]

@@ -2,10 +2,13 @@
 (`python -m vllm.entrypoints.openai.api_server`, `vllm serve`).
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions (Bearer auth when --api-key is set),
-/health, /version, /tokenize, /detokenize, /metrics. Every error is answered in OpenAI's shape.
+/invocations (SageMaker: routed by the body's shape), /health, /version, /load, /tokenize,
+/detokenize, /tokenizer_info (--enable-tokenizer-info-endpoint), /metrics. Every error is
+answered in OpenAI's shape.
 """
 import argparse
 import hmac
+import json
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -14,8 +17,9 @@ from typing import List, Optional, Sequence, Union
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
@@ -26,17 +30,23 @@ from vllm.entrypoints.openai.errors import OpenAIError
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, DetokenizeResponse,
-                                              ErrorResponse, ModelCard, ModelList,
+                                              ErrorResponse, ModelCard, ModelList, ParamError,
                                               TokenizeChatRequest, TokenizeCompletionRequest,
-                                              TokenizeResponse, VersionResponse)
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+                                              TokenizerInfoResponse, TokenizeResponse,
+                                              VersionResponse)
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, auto_tool_parser
+from vllm.entrypoints.openai.server_load import ServerLoadTracker
+from vllm.entrypoints.openai.server_options import ServerOptions
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.tool_parsers import tool_parser_names
 from vllm.model_executor.gguf_loader import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger("vllm.entrypoints.openai.api_server")
 
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
-           500: {"model": ErrorResponse}}
+           404: {"model": ErrorResponse}, 500: {"model": ErrorResponse}}
+# the routes a generation request takes (what --enable-server-load-tracking counts)
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
 
 
 class BearerAuth:
@@ -48,7 +58,11 @@ class BearerAuth:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):   # --root-path: /prefix/v1/... is guarded too
+            path = path[len(root):]
+        if scope["type"] == "http" and path.startswith("/v1") \
                 and scope["method"] != "OPTIONS":
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
@@ -70,14 +84,19 @@ def _field_path(loc) -> str:
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """upstream's 400: "N validation error(s):" then each pydantic error (its type, loc, msg,
+    input, ctx); param names the field (a request-level check names its own)."""
     errors = exc.errors()
-    if errors and errors[0].get("type") == "json_invalid":
-        return OpenAIError(f"malformed JSON body: {errors[0].get('ctx', {}).get('error', '')}",
-                           param="body")
-    message = "; ".join(f"{_field_path(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}"
-                        for e in errors[:5])
-    param = _field_path(errors[0].get("loc", ())) if errors else ""
-    return OpenAIError(message or "invalid request", param=param or "body")
+    param = next((e["ctx"]["error"].param for e in errors
+                  if isinstance(e.get("ctx", {}).get("error"), ParamError)), None)
+    if param is None and errors:
+        param = "body" if errors[0].get("type") == "json_invalid" \
+            else _field_path(errors[0].get("loc", ()))
+    if not errors:
+        return OpenAIError("Validation error", param="body")
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "\n".join(f"  {e}" for e in errors)
+    return OpenAIError(message, param=param or "body")
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -101,13 +120,20 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]] = None,
               api_key: Optional[str] = None, chat_template: Optional[str] = None,
-              shutdown_engine: bool = True) -> FastAPI:
+              shutdown_engine: bool = True, enable_auto_tool_choice: bool = False,
+              tool_call_parser: Optional[str] = None,
+              options: Optional[ServerOptions] = None) -> FastAPI:
     """The server's app. Its lifespan starts the engine loop (and stops it on exit when
-    shutdown_engine is true)."""
+    shutdown_engine is true). tool_choice "auto" needs enable_auto_tool_choice and a
+    tool_call_parser name (tool_parsers/: "hermes")."""
     names = list(served_model_names or [os.path.basename(str(engine.engine.model_config.model))])
     tokenizer = AutoTokenizer.from_pretrained(engine.engine.model_config.tokenizer)
     completion = OpenAIServingCompletion(engine, tokenizer, names)
-    chat = OpenAIServingChat(engine, tokenizer, names, _load_template(chat_template))
+    chat = OpenAIServingChat(engine, tokenizer, names, _load_template(chat_template),
+                             enable_auto_tools=enable_auto_tool_choice,
+                             tool_parser=tool_call_parser)
+    options = options or ServerOptions()
+    completion.options = chat.options = options
     metrics = ServerMetrics(engine, names[0])
 
     @asynccontextmanager
@@ -119,8 +145,12 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
 
     app = FastAPI(title="vLLM (vToken fork) OpenAI-compatible API", version=vllm.__version__,
                   lifespan=lifespan)
+    app.root_path = options.root_path      # set after: the constructor's argument is deprecated
     app.state.engine, app.state.metrics = engine, metrics
+    app.state.server_load_metrics = 0
     _install_error_handlers(app)
+    if options.enable_server_load_tracking:
+        app.add_middleware(ServerLoadTracker, state=app.state, paths=_GENERATION_PATHS)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
 
@@ -138,9 +168,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/load")
+    async def load():
+        """In-flight generation requests (0 unless --enable-server-load-tracking), as upstream."""
+        return JSONResponse({"server_load": app.state.server_load_metrics})
+
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models():
-        root = str(engine.engine.model_config.model)
+        root = options.model_root or str(engine.engine.model_config.model)
         return ModelList(data=[ModelCard(id=n, root=root, max_model_len=engine.max_model_len)
                                for n in names])
 
@@ -152,15 +187,37 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await chat.create(request, raw_request)
 
+    @app.post("/invocations", responses=_ERRORS)
+    async def invocations(raw_request: Request):
+        """SageMaker's one route: a chat body (messages) goes to chat, else a completion body
+        (prompt); the first request type that validates wins, as upstream."""
+        try:
+            body = await raw_request.json()
+        except ValueError as e:
+            raise OpenAIError(f"JSON decode error: {e}", param="body") from None
+        for request_type, serving in ((ChatCompletionRequest, chat),
+                                      (CompletionRequest, completion)):
+            try:
+                request = request_type.model_validate(body)
+            except ValidationError:
+                continue
+            return await serving.create(request, raw_request)
+        raise OpenAIError("Cannot find suitable handler for request. Expected one of: "
+                          "['ChatCompletionRequest', 'CompletionRequest']", param="body")
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: Union[TokenizeCompletionRequest, TokenizeChatRequest]):
         completion.model_name(request.model)
         if isinstance(request, TokenizeChatRequest):
+            tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
             ids = chat.render(request.messages, request.add_generation_prompt,
-                              request.add_special_tokens)["prompt_token_ids"]
+                              request.add_special_tokens, tools,
+                              request.continue_final_message)["prompt_token_ids"]
         else:
             ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                                token_strs=strs)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest):
@@ -168,7 +225,39 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
         completion.check_token_ids(request.tokens, param="tokens")
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
 
+    if options.enable_tokenizer_info_endpoint:    # upstream serves it only when asked
+        @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+        async def tokenizer_info():
+            return JSONResponse(tokenizer_config(tokenizer, chat.chat_template))
+
     return app
+
+
+def tokenizer_config(tokenizer, chat_template: Optional[str]) -> dict:
+    """tokenizer_config.json as the loaded tokenizer has it: no file paths, special tokens as
+    their text, plus tokenizer_class (and --chat-template when given)."""
+    config = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    for key in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+        config.pop(key, None)
+    config = _jsonable(config)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    if chat_template:
+        config["chat_template"] = chat_template
+    return config
+
+
+def _jsonable(obj):
+    if hasattr(obj, "content"):          # AddedToken
+        return obj.content
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    try:
+        json.dumps(obj)
+        return obj
+    except (TypeError, ValueError):
+        return str(obj)
 
 
 def _load_template(template: Optional[str]) -> Optional[str]:
@@ -190,8 +279,29 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="model name(s) the API accepts (default: the model's directory name)")
     add("--chat-template", type=str, default=None,
         help="chat template file or text (default: the tokenizer's)")
+    add("--enable-auto-tool-choice", action="store_true",
+        help='serve tool_choice "auto" (and requests with tools but no tool_choice): the '
+             "output's tool calls are parsed by --tool-call-parser")
+    add("--tool-call-parser", type=str, default=None,
+        help=f"how tool calls are written in the output: {', '.join(tool_parser_names())} "
+             "(hermes: <tool_call>{...}</tool_call>, as examples/tool_chat_template_hermes.jinja "
+             "asks for)")
     add("--uvicorn-log-level", type=str, default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add("--uds", type=str, default=None,
+        help="serve on this unix domain socket instead of --host/--port")
+    add("--root-path", type=str, default=None,
+        help="the path prefix a path-based routing proxy serves this app under")
+    add("--enable-server-load-tracking", action="store_true",
+        help="count in-flight generation requests; GET /load reports {\"server_load\": n}")
+    add("--enable-tokenizer-info-endpoint", action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
+    add("--return-tokens-as-token-ids", action="store_true",
+        help='write tokens in logprobs as "token_id:<id>" (a request\'s '
+             "return_tokens_as_token_ids overrides it)")
+    add("--kv-usage-in-response", action="store_true",
+        help="ours: report usage.kv (evicted / live tokens, peak blocks) in every response, "
+             "not only when a request asks with \"kv_usage\": true")
     return parser
 
 
@@ -213,10 +323,19 @@ def served_names(args: argparse.Namespace) -> List[str]:
 def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    auto_tool_parser(args.enable_auto_tool_choice, args.tool_call_parser)  # before the model loads
+    options = ServerOptions.from_cli_args(args, model_root=args.model or DEFAULT_MODEL_NAME)
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    app = build_app(engine, served_names(args), args.api_key, args.chat_template)
-    logger.info("OpenAI-compatible API at http://%s:%d/v1 (model %s)", args.host, args.port,
-                served_names(args)[0])
+    app = build_app(engine, served_names(args), args.api_key, args.chat_template,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    tool_call_parser=args.tool_call_parser, options=options)
+    if args.uds:
+        logger.info("OpenAI-compatible API on unix socket %s (model %s)", args.uds,
+                    served_names(args)[0])
+        uvicorn.run(app, uds=args.uds, log_level=args.uvicorn_log_level, timeout_keep_alive=5)
+        return
+    logger.info("OpenAI-compatible API at http://%s:%d%s/v1 (model %s)", args.host, args.port,
+                options.root_path, served_names(args)[0])
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_keep_alive=5)
 

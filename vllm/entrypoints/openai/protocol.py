@@ -6,13 +6,21 @@ them and a violation is a 400 before any work is done.
 """
 import time
 import uuid
-from typing import Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 MAX_N = 128          # samples per prompt
 MAX_LOGPROBS = 20    # as upstream's default --max-logprobs
 _I64 = 2 ** 63
+
+
+class ParamError(ValueError):
+    """A request-level check that names the body field it is about (the 400's param)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 def random_id(prefix: str) -> str:
@@ -69,7 +77,15 @@ class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    kv: Optional[KVUsage] = None
+    prompt_tokens_details: Optional[Dict[str, int]] = None
+    kv: Optional[KVUsage] = None      # ours: only when the request (or the server) asks for it
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_kv(self, handler):
+        data = handler(self)
+        if data.get("kv", 0) is None:
+            data.pop("kv")
+        return data
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int,
@@ -83,6 +99,30 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: Optional[bool] = False
 
 
+# ---- structured outputs (both endpoints; one kind per request) ----------------------------------
+class JsonSchemaFormat(RequestModel):
+    name: str
+    description: Optional[str] = None
+    json_schema: Optional[Dict[str, Any]] = Field(None, alias="schema")   # BaseModel has .schema
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object", "json_schema"."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """upstream's `structured_outputs` body field: exactly one of the constraints."""
+    json_: Optional[Union[str, Dict[str, Any]]] = Field(None, alias="json")  # BaseModel has .json
+    regex: Optional[str] = None
+    choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+
 # ---- sampling fields shared by completions and chat ---------------------------------------------
 class SamplingRequest(RequestModel):
     model: Optional[str] = None
@@ -90,7 +130,7 @@ class SamplingRequest(RequestModel):
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     temperature: Optional[float] = Field(None, ge=0.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=-_I64, lt=_I64)
+    seed: Optional[int] = Field(None, ge=-_I64, le=_I64 - 1)   # a torch.long, as upstream
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -114,6 +154,40 @@ class SamplingRequest(RequestModel):
     kv_budget_tokens: Optional[int] = None
     kv_min_tokens: Optional[int] = None
     kv_prefill_chunk: Optional[int] = None
+    kv_usage: bool = False       # ours: report usage.kv (also on with --kv-usage-in-response)
+    # upstream vLLM's token-level extensions
+    allowed_token_ids: Optional[List[int]] = None
+    prompt_logprobs: Optional[int] = None
+    return_tokens_as_token_ids: Optional[bool] = None   # None: the server's flag decides
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_stream_fields(cls, data):
+        """upstream's request-level rules (and wording) for stream_options and prompt_logprobs."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("stream_options") and not data.get("stream"):
+            raise ParamError("Stream options can only be defined when `stream=True`.",
+                             "stream_options")
+        k = data.get("prompt_logprobs")
+        if isinstance(k, int) and not isinstance(k, bool):
+            if data.get("stream") and (k > 0 or k == -1):
+                raise ParamError("`prompt_logprobs` are not available when `stream=True`.",
+                                 "prompt_logprobs")
+            if k < 0 and k != -1:
+                raise ParamError("`prompt_logprobs` must be a positive value or -1.",
+                                 "prompt_logprobs")
+        return data
+    # structured outputs (output_constraint.py): OpenAI's response_format, upstream's
+    # structured_outputs and its older guided_* fields
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Optional[Union[str, Dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None    # accepted and ignored: xgrammar is the one
 
 
 class CompletionRequest(SamplingRequest):
@@ -125,15 +199,59 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
 
 
+def _check_generation_prompt(data):
+    """upstream's rule: only an explicit add_generation_prompt=true conflicts (when it is
+    omitted, continue_final_message turns the generation prompt off)."""
+    if isinstance(data, dict) and data.get("continue_final_message") \
+            and data.get("add_generation_prompt"):
+        raise ParamError("Cannot set both `continue_final_message` and "
+                         "`add_generation_prompt` to True.", "continue_final_message")
+    return data
+
+
 class TextContentPart(RequestModel):
     type: str
     text: Optional[str] = None
+
+
+class FunctionCallParam(RequestModel):
+    name: str
+    arguments: Optional[Union[str, Dict[str, Any]]] = None    # OpenAI sends a JSON string
+
+
+class ToolCallParam(RequestModel):
+    """A call in an earlier assistant message."""
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
 
 
 class ChatMessage(RequestModel):
     role: str
     content: Optional[Union[str, List[TextContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[ToolCallParam]] = None     # role "assistant"
+    tool_call_id: Optional[str] = None                   # role "tool"
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None          # a JSON schema
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -142,11 +260,20 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: Optional[Dict] = None
-    tools: Optional[List[Dict]] = None
+    tools: Optional[List[ChatTool]] = None
+    # None: "auto" with tools, else "none" (upstream's defaults); tool_use.py has the rules
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
     add_special_tokens: bool = False
     chat_template: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_generation_prompt(cls, data):
+        return _check_generation_prompt(data)
 
 
 # ---- completion responses -----------------------------------------------------------------------
@@ -157,12 +284,23 @@ class CompletionLogprobs(ResponseModel):
     top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """upstream's Logprob as JSON: one entry of a prompt position's {token id: entry} dict."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+PromptLogprobs = List[Optional[Dict[int, PromptLogprob]]]   # None for the first prompt token
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(ResponseModel):
@@ -189,9 +327,28 @@ class ChatLogprobs(ResponseModel):
     content: Optional[List[ChatLogprobToken]] = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str            # JSON text, as the model wrote it
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(ResponseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(ResponseModel):
@@ -209,11 +366,26 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: List[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(ResponseModel):
+    """The first delta of a call has id, type and function.name; later ones add arguments."""
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
 
 
 class DeltaMessage(ResponseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[List[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(ResponseModel):
@@ -238,19 +410,35 @@ class TokenizeCompletionRequest(RequestModel):
     model: Optional[str] = None
     prompt: str
     add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
 
 
 class TokenizeChatRequest(RequestModel):
     model: Optional[str] = None
     messages: List[ChatMessage] = Field(..., min_length=1)
+    tools: Optional[List[ChatTool]] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
+    return_token_strs: Optional[bool] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_generation_prompt(cls, data):
+        return _check_generation_prompt(data)
 
 
 class TokenizeResponse(ResponseModel):
     count: int
     max_model_len: int
     tokens: List[int]
+    token_strs: Optional[List[str]] = None
+
+
+class TokenizerInfoResponse(BaseModel):
+    """The tokenizer's configuration (as tokenizer_config.json has it) and its class."""
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class DetokenizeRequest(RequestModel):

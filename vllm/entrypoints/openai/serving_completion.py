@@ -1,15 +1,17 @@
 """OpenAIServingCompletion: /v1/completions, whole or streamed (SSE)."""
-from typing import AsyncIterator, Dict, List, Optional
+from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from vllm.entrypoints.openai.errors import OpenAIError
+from vllm.entrypoints.openai.output_constraint import OutputConstraint
 from vllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                               CompletionRequest, CompletionResponse, UsageInfo,
                                               now_s, random_id)
 from vllm.entrypoints.openai.serving_engine import (OpenAIServing, TextDelta, finite_logprob,
-                                                    sse, usage_chunk)
+                                                    prompt_logprobs_json, sse, token_label,
+                                                    usage_chunk, usage_flags)
 from vllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -22,7 +24,10 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._prompts(req)
         max_tokens = min(self.max_tokens_for(len(p["prompt_token_ids"]), req.max_tokens)
                          for p in prompts)
-        params = self.sampling_params(req, max_tokens, req.logprobs)
+        constraint = OutputConstraint.from_request(req)
+        await self.check_constraint(constraint)
+        params = self.sampling_params(req, max_tokens, req.logprobs, constraint,
+                                      prompt_logprobs=self._prompt_logprobs(req))
         kv = self.kv_eviction(req)
         request_id = random_id("cmpl")
         if req.stream:
@@ -37,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             p = [p]
         if not p:
-            raise OpenAIError("The prompt cannot be empty", param="prompt")
+            raise OpenAIError("The decoder prompt cannot be empty", param="prompt")
         out = []
         for item in p:
             if isinstance(item, str):
@@ -49,70 +54,101 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.append({"prompt": text, "prompt_token_ids": list(item)})
         return out
 
+    @staticmethod
+    def _prompt_logprobs(req: CompletionRequest) -> Optional[int]:
+        """echo with logprobs scores the prompt too (upstream: as many top entries)."""
+        if req.prompt_logprobs is not None:
+            return req.prompt_logprobs
+        return req.logprobs if req.echo else None
+
     # ---- whole response ----------------------------------------------------------------------
     def _response(self, req, model, request_id, prompts, finals: List[RequestOutput]):
         choices, n_in, n_out = [], 0, 0
+        as_ids = self.tokens_as_ids(req)
         for i, final in enumerate(finals):
             prefix = (prompts[i]["prompt"] or "") if req.echo else ""
+            echoed = self._echoed(final) if req.echo else ([], [])
             for c in final.outputs:
+                lp = None
+                if req.logprobs is not None:
+                    lp, _ = self._logprobs(echoed[0] + c.token_ids,
+                                           echoed[1] + list(c.logprobs or []), 0, as_ids)
                 choices.append(CompletionChoice(
-                    index=i * req.n + c.index, text=prefix + c.text,
-                    logprobs=self._logprobs(c, 0, len(c.token_ids), len(prefix))
-                    if req.logprobs is not None else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    index=i * req.n + c.index, text=prefix + c.text, logprobs=lp,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs)))
                 n_out += len(c.token_ids)
             n_in += len(final.prompt_token_ids)
         return CompletionResponse(id=request_id, model=model, choices=choices,
-                                  usage=UsageInfo.of(n_in, n_out, self.kv_usage(finals)))
+                                  usage=UsageInfo.of(n_in, n_out, self.kv_usage(req, finals)))
 
     @staticmethod
-    def _logprobs(c: CompletionOutput, start: int, end: int, offset: int) -> CompletionLogprobs:
+    def _echoed(out: RequestOutput) -> Tuple[List[int], List[Optional[Dict]]]:
+        """The prompt's tokens and their logprob dicts (None for the first one)."""
+        ids = list(out.prompt_token_ids)
+        entries = list(out.prompt_logprobs or [])
+        return ids, entries + [None] * (len(ids) - len(entries))
+
+    def _logprobs(self, ids: List[int], entries: List[Optional[Dict]], offset: int,
+                  as_ids: bool) -> Tuple[CompletionLogprobs, int]:
+        """OpenAI's completion logprobs of `ids` (entries[i]: {id: Logprob} or None, which
+        gives a null logprob); text_offset counts from `offset`. -> (logprobs, next offset)."""
         lp = CompletionLogprobs()
-        for tok, lps in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
-            text = lps[tok].decoded_token or ""
-            lp.tokens.append(text)
-            lp.token_logprobs.append(finite_logprob(lps[tok].logprob))
-            lp.top_logprobs.append({(v.decoded_token or ""): finite_logprob(v.logprob)
-                                    for v in lps.values()})
+        for tok, d in zip(ids, entries):
+            entry = d.get(tok) if d else None
+            text = entry.decoded_token if entry is not None and entry.decoded_token is not None \
+                else self.tokenizer.decode([tok])
+            lp.tokens.append(f"token_id:{tok}" if as_ids else text)
+            lp.token_logprobs.append(finite_logprob(entry.logprob) if entry else None)
+            lp.top_logprobs.append({token_label(v, t, as_ids): finite_logprob(v.logprob)
+                                    for t, v in d.items()} if d else None)
             lp.text_offset.append(offset)
             offset += len(text)
-        return lp
+        return lp, offset
 
     # ---- streaming ---------------------------------------------------------------------------
     async def _stream(self, req, model, prompts, params, request_id, kv) -> AsyncIterator[str]:
         n = req.n
         deltas = [TextDelta(params.stop) for _ in range(len(prompts) * n)]
         offsets = [0] * len(deltas)
+        echo_pending = [req.echo] * len(deltas)   # the prompt goes out with a choice's first delta
+        finished = [False] * len(deltas)          # a finished choice is never sent again
+        as_ids = self.tokens_as_ids(req)
         n_in = n_out = 0
         finals = []
-        opts = req.stream_options
+        include_usage, continuous = usage_flags(req.stream_options)
         gen = self.generate_many(prompts, params, request_id, kv)
         try:
-            if req.echo:
-                for i, p in enumerate(prompts):
-                    for j in range(n):
-                        offsets[i * n + j] = len(p["prompt"] or "")
-                        yield sse(self._chunk(request_id, model, i * n + j, p["prompt"] or ""))
             async for i, out in gen:
                 for c in out.outputs:
                     k = i * n + c.index
-                    text, start, end = deltas[k].advance(c)
-                    if not text and start == end and c.finish_reason is None:
+                    if finished[k]:
                         continue
-                    lp = self._logprobs(c, start, end, offsets[k]) \
-                        if req.logprobs is not None else None
-                    offsets[k] += sum(len(t) for t in lp.tokens) if lp else 0
+                    text, start, end = deltas[k].advance(c)
+                    echo = echo_pending[k]
+                    if not (echo or text or start < end or c.finish_reason is not None):
+                        continue
+                    ids, entries = c.token_ids[start:end], list(c.logprobs or [])[start:end]
+                    if echo:
+                        text = (prompts[i]["prompt"] or "") + text
+                        p_ids, p_entries = self._echoed(out)
+                        ids, entries = p_ids + ids, p_entries + entries
+                        echo_pending[k] = False
+                    lp = None
+                    if req.logprobs is not None:
+                        lp, offsets[k] = self._logprobs(ids, entries, offsets[k], as_ids)
+                    finished[k] = c.finish_reason is not None
                     chunk = self._chunk(request_id, model, k, text, lp, c)
-                    if opts and opts.continuous_usage_stats:
+                    if continuous:
                         chunk["usage"] = UsageInfo.of(len(out.prompt_token_ids), end).model_dump()
                     yield sse(chunk)
                 if out.finished:
                     n_in += len(out.prompt_token_ids)
                     n_out += sum(len(c.token_ids) for c in out.outputs)
                     finals.append(out)
-            if opts and opts.include_usage:
+            if include_usage:
                 yield usage_chunk(request_id, "text_completion", model,
-                                  UsageInfo.of(n_in, n_out, self.kv_usage(finals)))
+                                  UsageInfo.of(n_in, n_out, self.kv_usage(req, finals)))
         except Exception as e:
             yield self.stream_errors(e)
         finally:

@@ -11,11 +11,16 @@ from fastapi import Request
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
 from vllm.entrypoints.openai.errors import OpenAIError
-from vllm.entrypoints.openai.protocol import KVUsage, SamplingRequest, UsageInfo, now_s
+from vllm.entrypoints.openai.output_constraint import OutputConstraint
+from vllm.entrypoints.openai.protocol import (MAX_LOGPROBS, KVUsage, PromptLogprob,
+                                              PromptLogprobs, SamplingRequest, UsageInfo,
+                                              now_s)
+from vllm.entrypoints.openai.server_options import ServerOptions
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import SequenceStatus
+from vllm.structured_output import StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +39,33 @@ def sse(payload) -> str:
 def usage_chunk(request_id: str, object_name: str, model: str, usage: UsageInfo) -> str:
     """The closing chunk of a stream with stream_options.include_usage: no choices, the usage."""
     return sse({"id": request_id, "object": object_name, "created": now_s(), "model": model,
-                "choices": [], "usage": usage.model_dump()})
+                "choices": [], "usage": usage.model_dump(exclude_none=True)})
+
+
+def usage_flags(stream_options) -> Tuple[bool, bool]:
+    """-> (final usage chunk, usage on every chunk): upstream's rule, continuous usage only
+    with include_usage (which defaults to true once stream_options is given)."""
+    if stream_options is None:
+        return False, False
+    final = bool(stream_options.include_usage)
+    return final, final and bool(stream_options.continuous_usage_stats)
+
+
+def token_label(lp, token_id: int, as_ids: bool) -> str:
+    """A logprobs entry's token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    return (lp.decoded_token if lp is not None else None) or ""
+
+
+def prompt_logprobs_json(entries) -> Optional[PromptLogprobs]:
+    """The engine's prompt logprobs (None first, then {id: Logprob}) with -inf clamped."""
+    if entries is None:
+        return None
+    return [None if d is None else
+            {t: PromptLogprob(logprob=finite_logprob(lp.logprob), rank=lp.rank,
+                              decoded_token=lp.decoded_token) for t, lp in d.items()}
+            for d in entries]
 
 
 class TextDelta:
@@ -71,6 +102,8 @@ class TextDelta:
 
 
 class OpenAIServing:
+    options = ServerOptions()    # the app sets its own (build_app)
+
     def __init__(self, engine: AsyncLLMEngine, tokenizer, served_model_names: List[str]):
         self.engine = engine
         self.tokenizer = tokenizer     # the server's own copy: the engine thread uses the other
@@ -80,12 +113,18 @@ class OpenAIServing:
 
     # ---- validation ---------------------------------------------------------------------------
     def model_name(self, requested: Optional[str]) -> str:
-        if requested is None:
+        """Omitted or "" is the served model (upstream); an unknown name is a 404."""
+        if not requested:
             return self.served_model_names[0]
         if requested not in self.served_model_names:
-            raise OpenAIError(f"The model `{requested}` does not exist.", param="model",
-                              code="model_not_found")
+            raise OpenAIError(f"The model `{requested}` does not exist.", status=404,
+                              param="model", code="model_not_found")
         return requested
+
+    def tokens_as_ids(self, req: SamplingRequest) -> bool:
+        if req.return_tokens_as_token_ids is not None:
+            return req.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids
 
     @staticmethod
     def check_supported(req: SamplingRequest) -> None:
@@ -101,18 +140,23 @@ class OpenAIServing:
             bias = {int(t): min(max(float(v), -100.0), 100.0) for t, v in req.logit_bias.items()}
         except ValueError:
             raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from None
-        self.check_token_ids(list(bias), param="logit_bias")
+        bad = [t for t in bias if not 0 <= t < self.vocab_size]
+        if bad:   # upstream's wording
+            raise OpenAIError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                              f"Vocabulary size: {self.vocab_size}", param="logit_bias")
         return bias
 
     def check_token_ids(self, ids: List[int], param: str = "prompt") -> None:
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise OpenAIError(f"token ids must be in [0, {self.vocab_size})", param=param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:   # upstream: "Token id <id> is out of vocabulary"
+            raise OpenAIError(f"Token id {bad} is out of vocabulary (vocabulary size "
+                              f"{self.vocab_size})", param=param)
 
     def max_tokens_for(self, prompt_len: int, max_tokens: Optional[int]) -> int:
         """Upstream's context check: prompt + completion must fit in --max-model-len."""
         limit = self.max_model_len
         if prompt_len == 0:
-            raise OpenAIError("The prompt cannot be empty", param="prompt")
+            raise OpenAIError("The decoder prompt cannot be empty", param="prompt")
         if prompt_len >= limit:
             raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, "
                               f"your request has {prompt_len} input tokens. Please reduce the "
@@ -128,9 +172,11 @@ class OpenAIServing:
                               code="context_length_exceeded")
         return max_tokens
 
-    def sampling_params(self, req: SamplingRequest, max_tokens: int,
-                        logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: Optional[int],
+                        constraint: Optional[OutputConstraint] = None, *,
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
         logit_bias = self.logit_bias(req)
+        self._check_token_fields(req, prompt_logprobs)
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -145,9 +191,33 @@ class OpenAIServing:
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=constraint.params if constraint is not None else None,
+                prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids)
         except ValueError as e:
             raise OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+    def _check_token_fields(self, req: SamplingRequest, prompt_logprobs: Optional[int]) -> None:
+        """upstream's checks (and wording) for prompt_logprobs and allowed_token_ids."""
+        if prompt_logprobs is not None:
+            k = self.vocab_size if prompt_logprobs == -1 else prompt_logprobs
+            if k > MAX_LOGPROBS:
+                raise OpenAIError(f"Requested prompt logprobs of {k}, which is greater than "
+                                  f"max allowed: {MAX_LOGPROBS}", param="prompt_logprobs")
+        ids = req.allowed_token_ids
+        if ids is not None and any(not 0 <= t < self.vocab_size for t in ids):
+            raise OpenAIError("allowed_token_ids contains out-of-vocab token id!",
+                              param="allowed_token_ids")
+
+    async def check_constraint(self, constraint: Optional[OutputConstraint]) -> None:
+        """Compile the spec up front (the engine caches it for the request): a spec xgrammar
+        rejects is a 400 naming the body field, not an error after the stream has begun."""
+        if constraint is None:
+            return
+        try:
+            await self.engine.acall(lambda e: e.structured_output.validate(constraint.params))
+        except StructuredOutputError as e:
+            raise OpenAIError(str(e), param=constraint.field) from None
 
     @staticmethod
     def kv_eviction(req: SamplingRequest) -> Optional[KVEvictionParams]:
@@ -162,8 +232,13 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), param=str(e).split(":", 1)[0]) from None
 
-    @staticmethod
-    def kv_usage(finals: Sequence[RequestOutput]) -> KVUsage:
+    def kv_usage(self, req: SamplingRequest,
+                 finals: Sequence[RequestOutput]) -> Optional[KVUsage]:
+        """usage.kv (ours) only when the request or the server asks for it: otherwise usage
+        has upstream's shape."""
+        if not (req.kv_usage or self.options.kv_usage_in_response):
+            return None
+
         def total(key):
             return int(sum(f.kv_stats.get(key, 0) for f in finals))
         return KVUsage(evicted_tokens=total("evicted_tokens"), live_tokens=total("live_tokens"),
@@ -177,7 +252,8 @@ class OpenAIServing:
         they come (deltas=False: final outputs only). Closing the iterator (or a failure of one
         prompt) aborts all of them."""
         if len(prompts) == 1:
-            gen = self.engine.generate(prompts[0], params, request_id, kv_eviction, deltas)
+            gen = self.engine.generate(prompts[0], params, request_id, kv_eviction=kv_eviction,
+                                      deltas=deltas)
             async for out in self._guarded(gen):
                 yield 0, _unless_exhausted(out)
             return
@@ -187,7 +263,7 @@ class OpenAIServing:
         async def pump(i: int, prompt: Dict) -> None:
             try:
                 async for out in self.engine.generate(prompt, params, f"{request_id}-{i}",
-                                                      kv_eviction, deltas):
+                                                      kv_eviction=kv_eviction, deltas=deltas):
                     q.put_nowait((i, out))
             except Exception as e:
                 q.put_nowait((i, e))
@@ -222,7 +298,7 @@ class OpenAIServing:
         if isinstance(e, OpenAIError):
             return e
         if isinstance(e, ValueError):
-            return OpenAIError(str(e), param="prompt")
+            return OpenAIError(str(e), param=getattr(e, "param", None) or "prompt")
         if isinstance(e, EngineStepError):
             return OpenAIError(str(e), status=500)
         logger.error("request failed", exc_info=e)

@@ -1,0 +1,441 @@
+"""The rest of upstream vLLM's OpenAI server surface, on a tiny model through the openai client
+(raw httpx where the client cannot say it): token-level fields (prompt_logprobs, echo,
+return_tokens_as_token_ids, allowed_token_ids), chat echo / continue_final_message, streaming
+finish chunks and usage, server flags and routes, error wording, and usage.kv opt-in.
+
+Where upstream's behaviour is a choice (a status code, a message text) the test says so."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import chat_model_dir, serve, wait_until_clean
+from vllm.entrypoints.openai.server_options import ServerOptions
+
+PROMPT = "w10 w20 w30 w40"
+CHAT = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8 w9"}]
+UPSTREAM_USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens",
+                       "prompt_tokens_details"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama, tmp_path_factory):
+    return chat_model_dir(tiny_llama, str(tmp_path_factory.mktemp("surface") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    engine, srv = serve(model_dir, max_num_seqs=32)
+    with srv:
+        srv.engine = engine
+        yield srv
+        wait_until_clean(engine)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def flagged(model_dir):
+    """A server with every server flag of this file on."""
+    options = ServerOptions(root_path="/api", model_root="org/tiny-llama",
+                            enable_server_load_tracking=True,
+                            enable_tokenizer_info_endpoint=True,
+                            return_tokens_as_token_ids=True, kv_usage_in_response=True)
+    engine, srv = serve(model_dir, options=options, max_num_seqs=8)
+    with srv:
+        srv.engine = engine
+        yield srv
+
+
+def post(url, body, **kw):
+    return httpx.post(url, json=body, timeout=60, **kw)
+
+
+def sse_events(text: str):
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def encode(server, text: str):
+    return post(server.url + "/tokenize", {"prompt": text, "add_special_tokens": False}
+                ).json()["tokens"]
+
+
+def assert_400(exc_info, text: str):
+    assert exc_info.value.status_code == 400
+    assert text in exc_info.value.message, exc_info.value.message
+
+
+# ---- 1. log-probs and tokens --------------------------------------------------------------------
+def test_prompt_logprobs_both_endpoints(server, client):
+    ids = encode(server, PROMPT)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    plp = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None           # nothing predicts the first token
+    for tok, entry in zip(ids[1:], plp[1:]):
+        assert str(tok) in entry and 2 <= len(entry) <= 3     # the prompt token + the top 2
+        assert entry[str(tok)]["decoded_token"] == f"w{tok}"
+        assert entry[str(tok)]["logprob"] <= 0 and entry[str(tok)]["rank"] >= 1
+    chat = client.chat.completions.create(model="tiny", messages=CHAT[:1], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    top = chat.model_extra["prompt_logprobs"]                # upstream: at the top level
+    assert len(top) == chat.usage.prompt_tokens and top[0] is None
+    assert all(len(e) == 1 for e in top[1:])
+    # upstream's choices: bounded by --max-logprobs, and not available when streaming
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, extra_body={"prompt_logprobs": 21})
+    assert_400(e, "Requested prompt logprobs of 21, which is greater than max allowed: 20")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert_400(e, "`prompt_logprobs` are not available when `stream=True`.")
+
+
+def test_prompt_logprobs_skip_the_prefix_cache(tiny_llama):
+    """A cached prefix is never run, so it has no logprobs: a request that asks for them reads
+    no cache (upstream does the same) and scores every prompt position, hit or not."""
+    from vllm import LLM, SamplingParams
+    llm = LLM(tiny_llama, enable_prefix_caching=True, block_size=4, num_gpu_blocks_override=64)
+    prompt = [list(range(10, 22))]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    first, again = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+    assert len(first.prompt_logprobs) == len(again.prompt_logprobs) == 12
+    for a, b in zip(first.prompt_logprobs[1:], again.prompt_logprobs[1:]):
+        assert {t: v.logprob for t, v in a.items()} == pytest.approx(
+            {t: v.logprob for t, v in b.items()})
+
+
+def test_completion_echo_with_logprobs_covers_the_prompt(server, client):
+    ids = encode(server, PROMPT)
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    out = client.completions.create(**kw).choices[0]
+    lp = out.logprobs
+    assert out.text.startswith(PROMPT)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids) + 3
+    assert lp.tokens[:len(ids)] == [f"w{t}" for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None   # first prompt token
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(out.text)
+    plain = client.completions.create(**{**kw, "echo": False}).choices[0].logprobs
+    assert lp.tokens[len(ids):] == plain.tokens
+    assert lp.token_logprobs[len(ids):] == pytest.approx(plain.token_logprobs)
+    # streamed: the prompt goes out with the first delta, the tokens are the same
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    assert "".join(c.choices[0].text for c in chunks) == out.text
+
+
+def test_chat_echo_continue_final_message_and_no_generation_prompt(server, client):
+    # the prompt: continue_final_message ends inside the last message (template: w3 .. w4 ..)
+    tok = post(server.url + "/tokenize", {"messages": CHAT, "continue_final_message": True,
+                                          "add_generation_prompt": False}).json()["tokens"]
+    assert tok == encode(server, "w3 w7 w4 w3 w8 w9")
+    kw = dict(model="tiny", messages=CHAT, max_tokens=3, temperature=0,
+              extra_body={"ignore_eos": True, "continue_final_message": True,
+                          "add_generation_prompt": False, "echo": True})
+    out = client.chat.completions.create(**kw)
+    assert out.usage.prompt_tokens == len(tok)
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and msg.content.startswith("w8 w9")   # echoed, then more
+    plain = client.chat.completions.create(**{**kw, "extra_body": {
+        **kw["extra_body"], "echo": False}}).choices[0].message.content
+    assert msg.content == "w8 w9" + plain
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.content == "w8 w9"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
+    # add_generation_prompt false: no w5; upstream's choice: the reply takes the last role
+    out = client.chat.completions.create(model="tiny", messages=CHAT[:1], max_tokens=2,
+                                         extra_body={"add_generation_prompt": False})
+    assert out.usage.prompt_tokens == len(encode(server, "w3 w7 w4"))
+    assert out.choices[0].message.role == "user"
+    with pytest.raises(openai.BadRequestError) as e:          # upstream's text
+        client.chat.completions.create(model="tiny", messages=CHAT, extra_body={
+            "continue_final_message": True, "add_generation_prompt": True})
+    assert_400(e, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+
+
+def test_return_tokens_as_token_ids(server, client, flagged):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    text_lp = client.completions.create(**kw).choices[0].logprobs
+    ids_lp = client.completions.create(**{**kw, "extra_body": {
+        "ignore_eos": True, "return_tokens_as_token_ids": True}}).choices[0].logprobs
+    assert ids_lp.tokens == [f"token_id:{t[1:]}" for t in text_lp.tokens]   # w<id> -> id
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in ids_lp.top_logprobs for k in top)
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT[:1], max_tokens=3, logprobs=True, top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True})
+    for item in chat.choices[0].logprobs.content:
+        assert re.fullmatch(r"token_id:\d+", item.token)
+        assert bytes(item.bytes).decode() == f"w{item.token.split(':')[1]}"   # bytes: the text
+        assert all(t.token.startswith("token_id:") for t in item.top_logprobs)
+    # the server flag (--return-tokens-as-token-ids) makes it the default; a request overrides
+    url = flagged.url + "/api/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0,
+            "ignore_eos": True}
+    assert post(url, body).json()["choices"][0]["logprobs"]["tokens"] == ids_lp.tokens
+    overridden = post(url, {**body, "return_tokens_as_token_ids": False}).json()
+    assert overridden["choices"][0]["logprobs"]["tokens"] == text_lp.tokens
+
+
+def test_allowed_token_ids(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, n=2, seed=3,
+                                    temperature=1.0, logprobs=0,
+                                    extra_body={"allowed_token_ids": [7, 8], "ignore_eos": True})
+    for c in out.choices:
+        assert set(c.logprobs.tokens) <= {"w7", "w8"} and len(c.logprobs.tokens) == 12
+    with pytest.raises(openai.BadRequestError) as e:          # upstream's text
+        client.completions.create(model="tiny", prompt=PROMPT,
+                                  extra_body={"allowed_token_ids": [7, 100000]})
+    assert_400(e, "allowed_token_ids contains out-of-vocab token id!")
+    assert e.value.body["param"] == "allowed_token_ids"
+
+
+def test_tokenize_token_strs_and_tokenizer_info(server, flagged):
+    r = post(server.url + "/tokenize", {"prompt": "w7 w300", "return_token_strs": True}).json()
+    assert r["token_strs"][-2:] == ["w7", "w300"]
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"])
+    assert post(server.url + "/tokenize", {"prompt": "w7"}).json()["token_strs"] is None
+    # upstream serves /tokenizer_info only with --enable-tokenizer-info-endpoint
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 404
+    info = httpx.get(flagged.url + "/api/tokenizer_info").json()
+    assert info["tokenizer_class"] and info["eos_token"] == "</s>"
+    assert "w3 {{ m['content'] }}" in info["chat_template"]
+    assert "vocab_file" not in info and "tokenizer_file" not in info
+
+
+# ---- 2. streaming ------------------------------------------------------------------------------
+STAGGERED = {"allowed_token_ids": [7, 8], "stop_token_ids": [8], "seed": 2}
+
+
+def _finish_chunks(events):
+    return [(c["index"], c["finish_reason"]) for e in events for c in e["choices"]
+            if c["finish_reason"] is not None]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_each_choice_finishes_once(server, path):
+    """Samples that stop at different steps (stop token 8 among 7/8): one finish chunk each."""
+    body = {"model": "tiny", "n": 4, "max_tokens": 40, "temperature": 1.0, "stream": True,
+            **STAGGERED}
+    body.update({"prompt": PROMPT} if "chat" not in path else {"messages": CHAT[:1]})
+    events = sse_events(post(server.url + path, body).text)
+    finishes = _finish_chunks(events)
+    assert sorted(i for i, _ in finishes) == [0, 1, 2, 3]
+    whole = post(server.url + path, {**body, "stream": False}).json()
+    key = "text" if "chat" not in path else "message"
+    lengths = {len((c[key] if key == "text" else c[key]["content"]).split())
+               for c in whole["choices"]}
+    assert len(lengths) > 1       # the samples did finish at different steps
+
+
+def test_stream_options_rules(server, client):
+    with pytest.raises(openai.BadRequestError) as e:          # upstream's text
+        client.completions.create(model="tiny", prompt=PROMPT, stream=False,
+                                  stream_options={"include_usage": True})
+    assert_400(e, "Stream options can only be defined when `stream=True`.")
+    base = {"model": "tiny", "messages": CHAT[:1], "max_tokens": 3, "stream": True,
+            "ignore_eos": True}
+    url = server.url + "/v1/chat/completions"
+    # continuous usage needs include_usage: off -> no usage anywhere
+    off = sse_events(post(url, {**base, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}}).text)
+    assert all(e.get("usage") is None for e in off)
+    # on: every chunk, the role chunk included (no completion tokens yet), then the total
+    on = sse_events(post(url, {**base, "stream_options": {
+        "continuous_usage_stats": True}}).text)
+    assert on[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert on[0]["usage"]["completion_tokens"] == 0 and on[0]["usage"]["prompt_tokens"] > 0
+    assert all(e["usage"] is not None for e in on)
+    assert on[-1]["choices"] == [] and on[-1]["usage"]["completion_tokens"] == 3
+    # include_usage defaults to true once stream_options is given (upstream); absent: none
+    assert sse_events(post(url, {**base, "stream_options": {}}).text)[-1]["choices"] == []
+    assert all(e.get("usage") is None for e in sse_events(post(url, base).text))
+
+
+# ---- 3. server flags and routes -----------------------------------------------------------------
+def test_models_card_and_model_name_rules(server, client, flagged, model_dir):
+    card = client.models.list().data[0]
+    assert card.id == "tiny" and card.root == model_dir
+    flagged_card = httpx.get(flagged.url + "/api/v1/models").json()["data"][0]
+    assert flagged_card["root"] == "org/tiny-llama"       # as the user named it
+    with pytest.raises(openai.NotFoundError) as e:        # upstream: 404 and this text
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert "The model `nope` does not exist." in e.value.message
+    assert e.value.body["param"] == "model"
+    out = client.completions.create(model="", prompt=PROMPT, max_tokens=2)   # "" = the served
+    assert out.model == "tiny"
+
+
+def test_root_path(flagged):
+    """--root-path: served under the prefix (a proxy that keeps it) and without it (one that
+    strips it); the OpenAPI schema names the prefix."""
+    for prefix in ("/api", ""):
+        r = httpx.get(flagged.url + prefix + "/v1/models")
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+    assert httpx.get(flagged.url + "/api/openapi.json").json()["servers"] == [{"url": "/api"}]
+
+
+def test_invocations_routes_by_body_shape(server):
+    url = server.url + "/invocations"
+    chat = post(url, {"messages": CHAT[:1], "max_tokens": 2}).json()
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 2
+    cmpl = post(url, {"prompt": PROMPT, "max_tokens": 2}).json()
+    assert cmpl["object"] == "text_completion"
+    stream = sse_events(post(url, {"prompt": PROMPT, "max_tokens": 2, "stream": True}).text)
+    assert stream[0]["object"] == "text_completion"
+    bad = post(url, {"input": "w5"})                      # upstream's status and text
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == ("Cannot find suitable handler for request. "
+                                              "Expected one of: ['ChatCompletionRequest', "
+                                              "'CompletionRequest']")
+
+
+def _load(url: str) -> int:
+    return httpx.get(url).json()["server_load"]
+
+
+def _wait_load(url: str, want: int) -> None:
+    deadline = time.monotonic() + 20
+    while _load(url) != want:
+        assert time.monotonic() < deadline, f"server_load never reached {want}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("tracked", [True, False])
+def test_server_load(server, flagged, tracked):
+    srv, prefix = (flagged, "/api") if tracked else (server, "")
+    url = srv.url + prefix + "/load"
+    assert _load(url) == 0
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    started, stop = threading.Event(), threading.Event()
+
+    def stream_then_hang_up():
+        with httpx.stream("POST", srv.url + prefix + "/v1/completions", json=body,
+                          timeout=60) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    return
+
+    t = threading.Thread(target=stream_then_hang_up)
+    t.start()
+    assert started.wait(30)
+    if tracked:
+        assert _load(url) == 1
+    else:
+        assert _load(url) == 0          # without --enable-server-load-tracking: always 0
+    stop.set()
+    t.join(30)
+    _wait_load(url, 0)
+    wait_until_clean(srv.engine)
+
+
+def test_cli_flags_on_a_unix_socket(tiny_llama, tmp_path):
+    """`vllm serve` with --uds and the other server flags of this file, for real."""
+    sock = str(tmp_path / "vllm.sock")
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "vllm.entrypoints.cli"]
+    cmd += ["serve", tiny_llama, "--uds", sock, "--served-model-name", "tiny",
+            "--num-gpu-blocks-override", "64", "--root-path", "/api",
+            "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
+            "--return-tokens-as-token-ids", "--kv-usage-in-response",
+            "--uvicorn-log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://vllm",
+                        timeout=60)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if http.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        assert http.get("/api/v1/models").json()["data"][0]["root"] == tiny_llama
+        assert http.get("/api/load").json() == {"server_load": 0}
+        assert http.get("/tokenizer_info").json()["tokenizer_class"]
+        out = http.post("/api/v1/completions", json={
+            "model": "tiny", "prompt": "w5 w6", "max_tokens": 2, "logprobs": 0}).json()
+        assert all(t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"])
+        assert set(out["usage"]["kv"]) == {"evicted_tokens", "live_tokens", "peak_blocks"}
+    finally:
+        http.close()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0
+
+
+# ---- 5. error wording clients match on ---------------------------------------------------------
+@pytest.mark.parametrize("prompt", ["", []])
+def test_empty_prompt_wording(server, prompt):
+    r = post(server.url + "/v1/completions", {"model": "tiny", "prompt": prompt})
+    assert r.status_code == 400                            # upstream's wording
+    assert "decoder prompt cannot be empty" in r.json()["error"]["message"]
+
+
+def test_out_of_vocab_wording(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[5, 6, 70000])
+    assert_400(e, "Token id 70000 is out of vocabulary")      # upstream's wording
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, logit_bias={"60000": 5})
+    assert_400(e, "token_id(s) [60000] in logit_bias contain out-of-vocab token ids")
+
+
+@pytest.mark.parametrize("seed,kind", [(2 ** 63, "less_than_equal"),
+                                       (-2 ** 63 - 1, "greater_than_equal")])
+def test_seed_bounds_are_upstreams(client, seed, kind):
+    """upstream declares seed as a torch.long (ge=min, le=max); its 400 lists pydantic's
+    errors ("1 validation error:" then each with its type)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, seed=seed)
+    assert_400(e, "1 validation error:")
+    assert f"'type': '{kind}'" in e.value.message and e.value.body["param"] == "seed"
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1,
+                                     seed=2 ** 63 - 1).usage.completion_tokens == 1
+
+
+# ---- 6. usage.kv only when asked --------------------------------------------------------------
+def test_kv_usage_is_opt_in(server, flagged):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}
+    url = server.url + "/v1/completions"
+    assert set(post(url, body).json()["usage"]) == UPSTREAM_USAGE_KEYS    # upstream's shape
+    asked = post(url, {**body, "kv_usage": True}).json()["usage"]
+    assert set(asked["kv"]) == {"evicted_tokens", "live_tokens", "peak_blocks"}
+    assert asked["kv"]["live_tokens"] > 0
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    assert "kv" not in sse_events(post(url, stream).text)[-1]["usage"]
+    assert "kv" in sse_events(post(url, {**stream, "kv_usage": True}).text)[-1]["usage"]
+    chat = {"model": "tiny", "messages": CHAT[:1], "max_tokens": 2}
+    assert set(post(server.url + "/v1/chat/completions", chat).json()["usage"]) == \
+        UPSTREAM_USAGE_KEYS
+    # --kv-usage-in-response: always
+    assert "kv" in post(flagged.url + "/api/v1/chat/completions", chat).json()["usage"]
