@@ -65,17 +65,15 @@ class _Columns:
     def step_input(self, num_decodes: int, decode_mass: bool,
                    copies: Optional[CopyBatch]) -> StepInput:
         return StepInput(
-            input_ids=np.array(self.ids, np.int64), positions=np.concatenate(self.pos),
+            input_ids=np.array(self.ids, np.int64), positions=_concat(self.pos),
             slot_mapping=_concat(self.slots), num_new=np.array(self.num_new, np.int64),
             num_decodes=num_decodes, view_handles=np.array(self.handles, np.int64),
             view_keep=np.array(self.keep, np.int64),
             view_new_lens=np.fromiter((len(v) for v in self.new), np.int64, len(self.new)),
             view_new_slots=_concat(self.new), mask_view_ids=_concat(self.mask_ids),
-            decode_mass=decode_mass, colsum_from=np.array(self.colsum_from, np.int64),
-            key_statistic=np.array(self.keys, np.int8),
-            sample_indices=np.array(self.sample, np.int64),
-            prompt_logit_spans=np.array(self.prompt_spans, np.int64).reshape(-1, 2),
-            copies=copies)
+            decode_mass=decode_mass, colsum_from=_ints(self.colsum_from),
+            key_statistic=np.array(self.keys, np.int8), sample_indices=_ints(self.sample),
+            prompt_logit_spans=_ints(self.prompt_spans).reshape(-1, 2), copies=copies)
 
 
 class StepInputBuilder:
@@ -105,27 +103,29 @@ class StepInputBuilder:
 
     def _add_row(self, cols: _Columns, seq: Sequence, n: int, is_decode: bool,
                  scores: ScoreRequest) -> StepRow:
-        c, start = seq.num_computed_tokens, cols.start
-        cols.ids.extend(seq.token_ids[c:c + n])
+        """One row's columns; runs for every running request every step, so kept lean."""
+        c, start, sid = seq.num_computed_tokens, cols.start, seq.seq_id
+        cols.ids += seq.token_ids[c:c + n]
         cols.pos.append(np.arange(c, c + n))
-        cols.slots.append(self.token_table.slots(seq.seq_id, c, c + n))
+        cols.slots.append(self.token_table.slots(sid, c, c + n))
         cols.num_new.append(n)
-        view = self.translation.view(seq.seq_id)
-        cols.handles.append(view.handle)
-        cols.keep.append(view.keep)
-        cols.new.append(view.slots[view.keep:])
-        cols.keys.append(_KEY_CODE.get(scores.key_statistic.get(seq.seq_id), 0))
+        view_ids, view_slots, handle, keep = self.translation.view(sid)
+        cols.handles.append(handle)
+        cols.keep.append(keep)
+        cols.new.append(view_slots[keep:])
+        cols.keys.append(_KEY_CODE.get(scores.key_statistic.get(sid), 0))
         if not is_decode:
-            cols.colsum_from.append(scores.prefill_from.get(seq.seq_id, NO_COLUMN_SUMS))
-            if needs_mask(c, n, len(view.ids)):
-                cols.mask_ids.append(view.ids)
-        row = StepRow(seq, n, start, view.ids, is_decode)
-        count = prompt_logit_count(seq, n)
-        if count:
-            cols.prompt_spans.append((start, count))
-            row.prompt_logits = slice(cols.prompt_at, cols.prompt_at + count)
-            cols.prompt_at += count
-        if row.completes:
+            cols.colsum_from.append(scores.prefill_from.get(sid, NO_COLUMN_SUMS))
+            if needs_mask(c, n, len(view_ids)):
+                cols.mask_ids.append(view_ids)
+        row = StepRow(seq, n, start, view_ids, is_decode)
+        if seq.params.prompt_logprobs is not None:
+            count = prompt_logit_count(seq, n)
+            if count:
+                cols.prompt_spans.append((start, count))
+                row.prompt_logits = slice(cols.prompt_at, cols.prompt_at + count)
+                cols.prompt_at += count
+        if c + n == len(seq.token_ids):      # row.completes: its next token gets sampled
             cols.sample.append(start + n - 1)
         cols.start += n
         return row
@@ -145,6 +145,13 @@ class StepInputBuilder:
         return self.translation.rebuilds
 
 
+_NONE = np.empty(0, np.int64)
+_NONE.flags.writeable = False        # shared by every step input with an empty column
+
+
 def _concat(arrays: List[np.ndarray]) -> np.ndarray:
-    return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else \
-        np.empty(0, np.int64)
+    return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else _NONE
+
+
+def _ints(values: list) -> np.ndarray:
+    return np.array(values, np.int64) if values else _NONE

@@ -9,18 +9,11 @@ entries unchanged since the previous call (0 after a rebuild), and a `handle` th
 view across the worker boundary (a new one whenever the view is created afresh).
 """
 import itertools
-from typing import Dict, NamedTuple
+from typing import Dict, Tuple
 
 import numpy as np
 
 from vllm.core.token_table import TokenTable
-
-
-class View(NamedTuple):
-    ids: np.ndarray       # live logical ids, in logical order
-    slots: np.ndarray     # their slots
-    handle: int
-    keep: int             # leading entries the worker's copy already holds
 
 
 class _View:
@@ -42,7 +35,9 @@ class TranslationCache:
         self._handles = itertools.count()
         self.rebuilds = 0
 
-    def view(self, req_id: str) -> View:
+    def view(self, req_id: str) -> Tuple[np.ndarray, np.ndarray, int, int]:
+        """(live logical ids, their slots, both in logical order; the view's handle; how many
+        leading entries the workers' copy already holds). A plain tuple: once per row a step."""
         tt = self.token_table
         v = self._views.get(req_id)
         if v is None:
@@ -54,7 +49,7 @@ class TranslationCache:
             keep = 0
         elif length > v.length:
             self._append(req_id, v, length)
-        return View(v.ids[:v.n], v.slots[:v.n], v.handle, keep)
+        return v.ids[:v.n], v.slots[:v.n], v.handle, keep
 
     def _rebuild(self, req_id: str, v: _View) -> None:
         tt = self.token_table

@@ -65,6 +65,8 @@ class ModelRunner:
 
     def _prefill_spans(self, step: StepInput, views: List[np.ndarray]) -> List[PrefillSpan]:
         b, spans = step.num_decodes, []
+        if not views:
+            return spans
         starts = np.cumsum(step.num_new) - step.num_new
         masked = 0                   # next unread entry of step.mask_view_ids
         for j, slots in enumerate(views):
