@@ -133,6 +133,7 @@ class StepInputBuilder:
     @staticmethod
     def step_stats(rows: List[StepRow], out: StepOutput) -> StepStats:
         """The worker's per-row statistics, attached to the sequences (for the KV manager)."""
+        assert len(out.rows) == len(rows), "a step output has one RowStats per row"
         return StepStats([SeqStepStats(r.seq, r.num_new, r.is_decode, r.view_ids, s.scores,
                                        s.key_statistic) for r, s in zip(rows, out.rows)])
 
