@@ -75,15 +75,15 @@ class TeacherForcedEngine(LLMEngine):
     scores: Dict[str, Score]
 
     @torch.inference_mode()
-    def _record_prompt_logprobs(self, rows, hidden: torch.Tensor) -> None:
+    def _record_prompt_logprobs(self, rows, logits: Optional[torch.Tensor]) -> None:
+        """logits: every prompt position's (its requests ask for prompt_logprobs=0)."""
         for r in rows:
             seq = r.seq
-            c = seq.num_computed_tokens
-            end = min(c + r.num_new, seq.num_prompt_tokens - 1)    # positions with a next token
-            if end <= c:
+            if r.prompt_logits is None:
                 continue
-            logp = torch.log_softmax(self.model.compute_logits(hidden[r.start:r.start + end - c])
-                                     .float(), dim=-1)
+            c = seq.num_computed_tokens
+            end = c + r.prompt_logits.stop - r.prompt_logits.start   # positions with a next token
+            logp = torch.log_softmax(logits[r.prompt_logits].float(), dim=-1)
             nxt = torch.tensor(seq.prompt_token_ids[c + 1:end + 1])
             s = self.scores.setdefault(seq.request_id, Score())
             s.nll += float(-logp[torch.arange(end - c), nxt].sum())
@@ -99,9 +99,9 @@ def run_perplexity(model, args, text_ids: List[int], todo: List[Tuple[str, str]]
     n = len(text_ids)
     eng = make_engine(model, args, len(todo), n + 8, TeacherForcedEngine)
     eng.scores = {}
-    params = SamplingParams(max_tokens=1, temperature=0)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)  # logits everywhere
     # pass 1: Native, recording its log-probs (the reference)
-    eng.record = torch.empty(n - 1, eng.model.config.vocab_size)
+    eng.record = torch.empty(n - 1, eng.hf_config.vocab_size)
     outs = drain(eng, [("native", text_ids, params, eviction("none", "-", args.chunk))])
     native_blocks = outs["native"].kv_stats["mean_blocks_per_token"]
     eng.reference, eng.record = eng.record, None

@@ -70,8 +70,10 @@ def interleaved(model, variants, work, args):
             while eng.has_unfinished_requests():
                 eng.step()
     for name, eng in engines.items():
-        for obj, fn in ((eng.kv, "after_step"), (eng.kv, "copies_done"),
-                        (eng.runner, "relocate")):
+        hooked = [(eng.kv, "after_step"), (eng.kv, "copies_done")]
+        if eng.worker.relocation is not None:       # the copies' fence, submit and poll
+            hooked.append((eng.worker.relocation, "execute"))
+        for obj, fn in hooked:
             timed(obj, fn, hooks[name])
         for i, (prompt, n) in enumerate(work):
             eng.add_request(f"x{i}", {"prompt_token_ids": prompt},

@@ -92,8 +92,9 @@ def test_runner_takes_decode_only_steps_up_to_its_largest_bucket(tiny_llama):
     eng.step()                                                # the prompts (and first tokens)
     sched = eng.scheduler.schedule()                          # a decode step of 5 rows
     assert [n for _, n in sched.scheduled] == [1] * 5
-    assert not runner.accepts(eng.runner.prepare_inputs(sched.scheduled))
-    inp = eng.runner.prepare_inputs(sched.scheduled[:3])
+    build = eng.input_builder.build
+    assert not runner.accepts(eng.runner.prepare_inputs(build(sched.scheduled)[0]))
+    inp = eng.runner.prepare_inputs(build(sched.scheduled[:3])[0])
     assert runner.accepts(inp)
     hidden = runner.run(inp)
     assert hidden.shape == (3, eng.model.config.hidden_size)  # the real rows only

@@ -16,7 +16,7 @@ from vllm import LLM, SamplingParams
 from vllm import _custom_ops as ops
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.llm_engine import kv_blocks_for_memory
+from vllm.worker.worker import kv_blocks_for_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -125,7 +125,7 @@ def test_statistics_read_from_one_flat_host_copy(tiny_llama):
             inp.host_stats = (torch.cat([p.reshape(-1) for p in parts]).clone(), _Done())
             flat = original(inp)
             inp.host_stats = None
-            for a, b in zip(direct.rows, flat.rows):
+            for a, b in zip(direct, flat):
                 assert (a.scores is None) == (b.scores is None)
                 assert a.scores is None or np.array_equal(a.scores, b.scores)
             checked.append(len(parts))

@@ -3,7 +3,7 @@
 Every error message names the CLI flag a user would change.
 """
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -46,6 +46,8 @@ class ModelConfig:
     seed: int = 0
     enforce_eager: bool = False
     device: str = "cpu"             # resolved (DeviceConfig)
+    load_format: str = "auto"       # auto | dummy | simulate
+    hf_config: Any = None           # the checkpoint's transformers config
 
     def __post_init__(self):
         if self.dtype == "auto":
@@ -88,6 +90,37 @@ class SchedulerConfig:
                "--max-num-batched-tokens",
                f"({self.max_num_batched_tokens}) must be >= --max-model-len "
                f"({self.max_model_len}) when chunked prefill is disabled")
+
+
+DISTRIBUTED_BACKENDS = ("mp", "ray", "uni")
+
+
+@dataclass
+class ParallelConfig:
+    """How many ranks, and which executor runs them (upstream's flags)."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None   # None: uni at world size 1
+
+    def __post_init__(self):
+        for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+                            ("--data-parallel-size", self.data_parallel_size)):
+            _check(value >= 1, flag, f"must be >= 1, got {value}")
+        for flag, value, what in (
+                ("--pipeline-parallel-size", self.pipeline_parallel_size, "pipeline"),
+                ("--data-parallel-size", self.data_parallel_size, "data")):
+            _check(value == 1, flag, f"{what} parallelism is not supported by this engine "
+                                     f"(got {value}); use 1")
+        backend = self.distributed_executor_backend
+        _check(backend is None or backend in DISTRIBUTED_BACKENDS,
+               "--distributed-executor-backend",
+               f"must be one of {DISTRIBUTED_BACKENDS}, got {backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -153,3 +186,14 @@ class KVEvictionConfig:
     @property
     def fills_holes(self) -> bool:
         return self.reclamation == "vtoken-fill"
+
+
+@dataclass
+class VllmConfig:
+    """Everything a worker needs to build its part of the engine (picklable: it goes to every
+    rank)."""
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    kv_config: KVEvictionConfig

@@ -93,7 +93,8 @@ def test_replay_equals_the_eager_forward_on_the_static_buffers(tiny_llama):
     eng.step()                                                # all three prompts, first tokens
     sched = eng.scheduler.schedule()
     assert [n for _, n in sched.scheduled] == [1, 1, 1]      # a decode-only step
-    inp = eng.runner.prepare_inputs(sched.scheduled, eng.kv.score_request(sched.scheduled))
+    step, _ = eng.input_builder.build(sched.scheduled, eng.kv.score_request(sched.scheduled))
+    inp = eng.runner.prepare_inputs(step)
     graphs = CudaGraphRunner(eng.model, eng.kv_caches, eng.runner.buffers, 6)
     eager = CudaGraphRunner(eng.model, eng.kv_caches, eng.runner.buffers, 6, eager=True)
     assert graphs.accepts(inp) and graphs.bucket(inp.meta, 3) == 4

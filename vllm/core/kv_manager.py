@@ -7,8 +7,9 @@ the reclamation backend, the hole filler and the monitor, and holds the one busy
     engine    -> after_step(StepStats), copies_done(batch ids), stats(), check_invariants()
     runner    <- score_request(scheduled): which attention statistics the step must collect
 
-Nothing here imports the worker or attention: statistics come in as plain arrays (StepStats),
-copies go out as plain arrays (CopyBatch) with the scheduler output.
+Nothing here imports the worker's code or attention: statistics come in as plain arrays
+(StepStats), copies go out as plain arrays (CopyBatch, a value of the worker's step protocol,
+vllm/worker/step_input.py, which imports numpy only) with the scheduler output.
 """
 from typing import Dict, List, Optional, Set, Tuple
 

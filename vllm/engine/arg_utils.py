@@ -4,7 +4,8 @@ import dataclasses
 from dataclasses import InitVar, dataclass
 from typing import Optional
 
-from vllm.config import DEVICES, EVICTION_POLICIES, RECLAMATION_MODES, KVEvictionConfig
+from vllm.config import (DEVICES, DISTRIBUTED_BACKENDS, EVICTION_POLICIES, RECLAMATION_MODES,
+                         KVEvictionConfig, ParallelConfig)
 
 _KV_FIELDS = {  # EngineArgs field -> KVEvictionConfig field
     "kv_eviction_policy": "policy", "kv_eviction_ratio": "eviction_ratio",
@@ -36,6 +37,10 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     load_format: str = "auto"              # auto | dummy (random weights) | simulate (no model math)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1        # > 1: not supported
+    data_parallel_size: int = 1            # > 1: not supported
+    distributed_executor_backend: Optional[str] = None   # mp | ray | uni; None: uni at size 1
     kv_eviction_policy: str = "none"
     kv_eviction_ratio: float = 0.5
     kv_budget_tokens: Optional[int] = None
@@ -49,6 +54,10 @@ class EngineArgs:
     kv_eviction_log: bool = False          # keep Sequence.eviction_log (debugging, tests)
     kv_reclaim_force_sync: bool = False
     disable_log_stats: bool = False        # upstream's flag; this engine logs no periodic stats
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                              self.data_parallel_size, self.distributed_executor_backend)
 
     def eviction_config(self) -> KVEvictionConfig:
         return KVEvictionConfig(**{dst: getattr(self, src) for src, dst in _KV_FIELDS.items()})
@@ -83,6 +92,14 @@ class EngineArgs:
         add("--load-format", type=str, default="auto", choices=["auto", "dummy", "simulate"],
             help="dummy: seeded random weights from the model directory's config.json alone; "
                  "simulate: skip model math and emit seeded synthetic attention statistics")
+        add("--tensor-parallel-size", "-tp", type=int, default=1,
+            help="ranks that shard the model (not implemented yet in this build: 1)")
+        add("--pipeline-parallel-size", "-pp", type=int, default=1, help="not supported: 1")
+        add("--data-parallel-size", "-dp", type=int, default=1, help="not supported: 1")
+        add("--distributed-executor-backend", type=str, default=None,
+            choices=list(DISTRIBUTED_BACKENDS),
+            help="how ranks run: uni (in this process; the default at size 1), mp or ray "
+                 "(not implemented yet in this build)")
         add("--kv-eviction-policy", type=str, default="none", choices=list(EVICTION_POLICIES))
         add("--kv-eviction-ratio", type=float, default=0.5,
             help="fraction of tokens evicted (budget = floor((1 - r) * length))")

@@ -1,6 +1,5 @@
 """LLMEngine: add requests, step the scheduler + model + sampler, return RequestOutputs."""
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Union
@@ -8,23 +7,23 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.core.kv_manager import KVManager
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.step_input_builder import StepInputBuilder, StepRow
 from vllm.engine.stop_checker import StopChecker
+from vllm.executor.executor_base import ExecutorBase
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.model_executor.gguf_loader import resolve_model
-from vllm.model_executor.model_loader import DTYPES, get_model
 from vllm.model_executor.sampler import (Sampler, SamplerOutput, SamplingRow,
                                          compute_prompt_logprobs)
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceStatus
 from vllm.structured_output import SequenceGrammar, StructuredOutputManager
-from vllm.worker.cuda_graph_runner import CudaGraphRunner
-from vllm.worker.model_runner import ModelRunner, StepRow, profile_forward
-from vllm.worker.relocation import RelocationExecutor
+from vllm.worker.step_input import StepInput
+from vllm.worker.step_output import StepOutput
 
 PromptType = Union[str, Dict, List[int]]
 logger = logging.getLogger(__name__)
@@ -45,20 +44,10 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
 
-def kv_blocks_for_memory(total: int, used: int, utilization: float, block_bytes: int) -> int:
-    """KV blocks that fit in utilization * total bytes besides `used` (the profiled peak)."""
-    budget = int(total * utilization) - used
-    if budget < block_bytes:
-        raise ValueError(f"--gpu-memory-utilization {utilization}: {utilization} x "
-                         f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB for the KV "
-                         f"cache after {used / 2**30:.2f} GiB of weights and activations: no KV "
-                         f"block ({block_bytes} bytes) fits; raise it, or lower "
-                         f"--max-num-batched-tokens")
-    return budget // block_bytes
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs):
+        parallel_config = args.parallel_config()
+        executor_class = ExecutorBase.get_class(parallel_config)   # fail fast, before loading
         model_dir = resolve_model(args.model)
         self.tokenizer = self._load_tokenizer(args.tokenizer or model_dir, args.load_format)
         hf_config = AutoConfig.from_pretrained(model_dir)
@@ -70,45 +59,31 @@ class LLMEngine:
         self.model_config = ModelConfig(model=model_dir, tokenizer=args.tokenizer or model_dir,
                                         dtype=args.dtype, max_model_len=max_len, seed=args.seed,
                                         enforce_eager=args.enforce_eager,
-                                        device=self.device_config.device)
+                                        device=self.device_config.device,
+                                        load_format=args.load_format, hf_config=hf_config)
         self.cache_config = CacheConfig(args.block_size, args.num_gpu_blocks_override,
                                         args.kv_cache_memory, args.enable_prefix_caching,
                                         args.gpu_memory_utilization)
         self.scheduler_config = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.max_num_seqs),
             max_len, args.enable_chunked_prefill)
+        self.parallel_config = parallel_config
         self.kv_config = args.eviction_config()
-        torch.manual_seed(args.seed)
-        if self.simulated:   # no model math: the KV plane (scheduler, tables, policies) runs for real
-            from vllm.model_executor.models.simulated import SimulatedModel
-            self.model = SimulatedModel(hf_config, args.seed)
-        else:
-            self.model = get_model(model_dir, hf_config, self.model_config.dtype, max_len,
-                                   args.load_format, args.seed, self.device)
-        self.gpu_memory_profile: Optional[dict] = None   # CUDA pool sizing (_num_gpu_blocks)
-        num_blocks = self._num_kv_blocks()
-        cfg = self.model.config
-        shape = (1, num_blocks * args.block_size, 2, 1, 1) if self.simulated else \
-            (cfg.num_hidden_layers, num_blocks * args.block_size, 2, cfg.num_key_value_heads,
-             cfg.head_dim)
-        self.kv_caches = torch.zeros(shape, dtype=DTYPES[self.model_config.dtype],
-                                     device=self.device)
+        torch.manual_seed(args.seed)     # the engine's sampling draws (workers seed their own)
+        self.model_executor = executor_class(VllmConfig(
+            self.model_config, self.cache_config, self.scheduler_config, parallel_config,
+            self.kv_config))
+        num_blocks = self.model_executor.determine_num_kv_blocks()
+        self.gpu_memory_profile: Optional[dict] = self.model_executor.gpu_memory_profile
+        self.model_executor.initialize_cache(num_blocks)
         self.kv = KVManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                            self.kv_config, cfg.num_hidden_layers * cfg.num_attention_heads)
+                            self.kv_config,
+                            hf_config.num_hidden_layers * hf_config.num_attention_heads)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.runner = ModelRunner(self.model, self.kv_caches, self.kv.token_table,
-                                  self.scheduler_config.max_num_batched_tokens,
-                                  self.scheduler_config.max_num_seqs, max_len)
-        if self.device.type == "cuda" and not args.enforce_eager:
-            self.runner.graphs = CudaGraphRunner(self.model, self.kv_caches, self.runner.buffers,
-                                                 self.scheduler_config.max_num_seqs)
-        if self.kv_config.reclaims:
-            self.runner.relocation = RelocationExecutor(
-                self.kv_caches, force_sync=self.kv_config.reclaim_force_sync,
-                check=self.kv_config.check_invariants)
+        self.input_builder = StepInputBuilder(self.kv.token_table)
         self.sampler = Sampler()
         # compiles nothing (and imports no xgrammar) until a request asks for structured outputs
-        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
+        self.structured_output = StructuredOutputManager(self.tokenizer, hf_config.vocab_size)
         self.stop_checker = StopChecker(self.tokenizer, max_len)
         self.requests: Dict[str, RequestState] = {}
         self._warn_if_pool_short(num_blocks * args.block_size)
@@ -139,7 +114,24 @@ class LLMEngine:
     def set_relocation_executor(self, executor) -> None:
         """Install the copy executor (tests install one whose completion is delayed)."""
         assert self.kv_config.reclaims and not self.requests, "set the executor before requests"
-        self.runner.relocation = executor
+        self.model_executor.set_relocation_executor(executor)
+
+    # ---- single process: rank 0's worker, for tests and benchmarks ----------------------------
+    @property
+    def worker(self):
+        return self.model_executor.driver_worker
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.worker.model
+
+    @property
+    def kv_caches(self) -> torch.Tensor:
+        return self.worker.kv_caches
+
+    @property
+    def runner(self):
+        return self.worker.model_runner
 
     @staticmethod
     def _load_tokenizer(path: str, load_format: str):
@@ -152,45 +144,7 @@ class LLMEngine:
 
     # ---- sizing -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
-        cfg = self.model.config
-        elem = torch.finfo(DTYPES[self.model_config.dtype]).bits // 8
-        return (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
-                * self.cache_config.block_size)
-
-    def _num_kv_blocks(self) -> int:
-        cc = self.cache_config
-        if cc.num_gpu_blocks_override is not None:
-            return cc.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            return self._num_gpu_blocks()
-        budget = cc.kv_cache_memory
-        if budget is None:   # a fifth of available RAM, at most 2 GiB
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(avail // 5, 2 << 30)
-        blocks = budget // self.block_bytes()
-        if blocks < 1:
-            raise ValueError(f"--kv-cache-memory: {budget} bytes hold no KV block "
-                             f"({self.block_bytes()} bytes each)")
-        return int(blocks)
-
-    def _num_gpu_blocks(self) -> int:
-        """Upstream's rule: the pool gets --gpu-memory-utilization of the GPU's total memory
-        less the peak a profiling forward of --max-num-batched-tokens reaches (weights,
-        activations, logits) and what is held outside torch's allocator (CUDA context, other
-        processes)."""
-        sc = self.scheduler_config
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        scratch = profile_forward(self.model, sc.max_num_batched_tokens, sc.max_model_len,
-                                  sc.max_num_seqs)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - scratch
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        outside = max(total - free - torch.cuda.memory_allocated(), 0)
-        self.gpu_memory_profile = {"total": total, "peak": peak, "outside": outside}
-        return kv_blocks_for_memory(total, peak + outside,
-                                    self.cache_config.gpu_memory_utilization, self.block_bytes())
+        return self.worker.block_bytes()
 
     @property
     def max_model_len(self) -> int:
@@ -233,7 +187,7 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _validate_allowed_tokens(self, params: SamplingParams) -> None:
-        vocab = self.model.config.vocab_size
+        vocab = self.hf_config.vocab_size
         bad = [t for t in params.allowed_token_ids or () if t >= vocab]
         if bad:   # upstream: "allowed_token_ids contains out-of-vocab token id!"
             raise ValueError(f"allowed_token_ids contains out-of-vocab token id {bad[0]} "
@@ -252,7 +206,7 @@ class LLMEngine:
     def _validate_prompt(self, ids: List[int]) -> None:
         if not ids:
             raise ValueError("The decoder prompt cannot be empty")   # upstream's wording
-        vocab = self.model.config.vocab_size
+        vocab = self.hf_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"Token id {max(ids) if max(ids) >= vocab else min(ids)} "
                              f"is out of vocabulary (size {vocab})")
@@ -282,27 +236,34 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
         sched = self.scheduler.schedule()
-        self.kv.copies_done(self.runner.relocate(sched.copies))
         changed = {s.request_id for s in sched.ended}
-        if sched.scheduled:
-            inp = self.runner.prepare_inputs(sched.scheduled,
-                                             self.kv.score_request(sched.scheduled))
-            hidden = self.runner.execute(inp)      # on CUDA: starts the statistics' copy back
-            self._record_prompt_logprobs(inp.rows, hidden)
-            sample_rows = [r for r in inp.rows if r.completes]
-            # the sampler's token read is the step's one host sync; the statistics read after it
-            sampled = self._sample(sample_rows, hidden) if sample_rows else None
-            for r in inp.rows:
+        scores = self.kv.score_request(sched.scheduled) if sched.scheduled else None
+        step, rows = self.input_builder.build(sched.scheduled, scores, sched.copies)
+        out = self._execute(step)
+        # copies completed this step: their moves apply now, so the next step's views read the
+        # destinations (this step's read the sources, which were still valid)
+        self.kv.copies_done(set(out.completed_copies))
+        if rows:
+            self._record_prompt_logprobs(rows, out.prompt_logits)
+            sample_rows = [r for r in rows if r.completes]
+            sampled = self._sample(sample_rows, out.logits) if sample_rows else None
+            for r in rows:
                 r.seq.num_computed_tokens += r.num_new
-            self.kv.after_step(self.runner.step_stats(inp))
+            self.kv.after_step(self.input_builder.step_stats(rows, out))
             if sample_rows:
                 self._append_tokens(sample_rows, sampled)
             changed.update(r.seq.request_id for r in sample_rows)
         return self._collect_outputs(changed)
 
+    def _execute(self, step: StepInput) -> StepOutput:
+        try:
+            return self.model_executor.execute_model(step)
+        except BaseException:
+            self.input_builder.forget_views()   # the workers may not have applied its deltas
+            raise
+
     @torch.inference_mode()
-    def _sample(self, rows: List[StepRow], hidden: torch.Tensor) -> SamplerOutput:
-        logits = self.model.compute_logits(hidden[self.runner.logits_rows(rows)])
+    def _sample(self, rows: List[StepRow], logits: torch.Tensor) -> SamplerOutput:
         return self.sampler(logits, [SamplingRow(r.seq.params, r.seq.generator,
                                                  r.seq.num_output_tokens, r.seq.eos_token_id,
                                                  r.seq.token_ids, r.seq.grammar)
@@ -337,19 +298,21 @@ class LLMEngine:
         return SequenceStatus.FINISHED_STOPPED
 
     @torch.inference_mode()
-    def _record_prompt_logprobs(self, rows: List[StepRow], hidden: torch.Tensor) -> None:
+    def _record_prompt_logprobs(self, rows: List[StepRow],
+                                logits: Optional[torch.Tensor]) -> None:
+        """logits: the step's prompt-logit rows (StepRow.prompt_logits says whose are which)."""
         for r in rows:
             seq, k = r.seq, r.seq.params.prompt_logprobs
             if k is None or seq.prompt_logprobs is not None and \
                     len(seq.prompt_logprobs) >= seq.num_prompt_tokens:
                 continue
-            c = seq.num_computed_tokens
             seq.prompt_logprobs = seq.prompt_logprobs or [None]
-            end = min(c + r.num_new, seq.num_prompt_tokens - 1)   # positions that predict a prompt token
-            if end <= c:
+            if r.prompt_logits is None:
                 continue
-            logits = self.model.compute_logits(hidden[r.start:r.start + end - c])
-            lps = compute_prompt_logprobs(logits, seq.prompt_token_ids[c + 1:end + 1], k)
+            c = seq.num_computed_tokens
+            end = c + r.prompt_logits.stop - r.prompt_logits.start
+            lps = compute_prompt_logprobs(logits[r.prompt_logits],
+                                          seq.prompt_token_ids[c + 1:end + 1], k)
             for d in lps:
                 self._decode_logprobs(d)
             seq.prompt_logprobs.extend(lps)
@@ -399,23 +362,20 @@ class LLMEngine:
     # ---- KV statistics and invariants ----------------------------------------------------------
     def get_kv_stats(self) -> Dict[str, float]:
         stats = self.kv.stats()
-        stats["translation_rebuilds"] = self.runner.translation.rebuilds
+        stats["translation_rebuilds"] = self.input_builder.rebuilds
         stats["preemptions"] = self.scheduler.num_preemptions
-        if self.runner.relocation is not None:
-            stats.update(self.runner.relocation.stats())
+        stats.update(self.model_executor.relocation_stats())
         return stats
 
     def get_engine_info(self) -> Dict:
         """What this engine runs on: the CPU, the C kernels' variant and the load-time kernel
         plan (which GEMM / attention path each batch band uses); logged once at load."""
-        from vllm import cpu_kernels
-        plan = getattr(self.model, "plan", None)
-        return {"device": str(self.device), "cpu": cpu_kernels.cpu_name(),
-                "cpu_kernels": cpu_kernels.active_isa() if cpu_kernels.available() else "off",
-                "kernel_plan": plan.as_dict() if plan is not None else None}
+        return self.model_executor.engine_info()
 
     def check_invariants(self) -> None:
-        """I2, the prefix-cache rule and block accounting (I1 is checked per copy batch)."""
+        """I2, the prefix-cache rule and block accounting (I1 is checked per copy batch), and
+        every rank's attention views equal the engine's."""
         self.kv.check_invariants()
         running = {s.seq_id for s in self.scheduler.running}
         assert running == set(self.kv.seqs), "running sequences and KV holders disagree"
+        self.model_executor.check_invariants(self.input_builder.translation.snapshot())

@@ -1,52 +1,30 @@
-"""ModelRunner: the one place that turns a scheduler step into model inputs.
+"""ModelRunner: the one place that turns a step input into model inputs, on one rank.
 
-Write slots and attention views both come from the token table, never from positions:
-
-    positions     logical ids of this step's tokens (RoPE; they never change)
-    slot_mapping  token_table slots of this step's tokens (where their K/V is written)
-    views         token_table live slots, in logical order (what attention reads)
-
-The runner is the worker side of the KV plane: it owns the relocation executor, submits the
-copies that come with each scheduler output, reports completed batches, and hands the step's
-attention statistics back as plain arrays (StepStats).
+The StepInput (worker/step_input.py) carries this step's tokens, positions and write slots, and
+each row's attention view as a delta that the runner's ViewStore applies. The runner lays them
+into the persistent InputBuffers (decode rows) and PrefillSpans (prompt chunks), runs the model,
+computes the logits the engine asked for and hands the step's attention statistics back as
+plain arrays (RowStats).
 
 All metadata is built on the cache's device. On CUDA nothing here waits for the device: uploads
 are non-blocking copies from pinned memory, and the step's attention statistics (decode mass,
 prefill column sums) travel back in one non-blocking copy that execute() starts and
-step_stats() reads after the sampler's token read has synchronized.
+step_stats() reads.
 """
 from dataclasses import dataclass
-from typing import List, Optional, Set, Tuple, Union
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from vllm._custom_ops import to_device
 from vllm.attention.backend import AttentionMetadata, PrefillSpan
-from vllm.core.reclaim.backend import CopyBatch
-from vllm.core.step_stats import ScoreRequest, SeqStepStats, StepStats
-from vllm.core.token_table import TokenTable
-from vllm.sequence import Sequence
 from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.input_buffers import InputBuffers
 from vllm.worker.relocation import RelocationExecutor
-from vllm.worker.translation_cache import TranslationCache
-
-
-@dataclass
-class StepRow:
-    seq: Sequence
-    num_new: int
-    start: int                 # first index of this sequence's tokens in the flat batch
-    view_ids: np.ndarray       # logical ids of its attention view (aligned with the statistics)
-    view_slots: np.ndarray     # their slots
-    stats_row: int             # row in decode_mass (decodes) or index into prefill_colsum
-    is_decode: bool
-
-    @property
-    def completes(self) -> bool:
-        """After this step every known token is computed, so the next token gets sampled."""
-        return self.seq.num_computed_tokens + self.num_new == self.seq.num_tokens
+from vllm.worker.step_input import KEY_STATISTICS, NO_COLUMN_SUMS, StepInput, needs_mask
+from vllm.worker.step_output import RowStats
+from vllm.worker.view_store import ViewStore
 
 
 @dataclass
@@ -54,98 +32,87 @@ class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    rows: List[StepRow]
-    scores: ScoreRequest
+    step: StepInput
+    views: List[np.ndarray]    # each row's attention view (slots), in row order
     host_stats: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None  # CUDA: pinned copy
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, token_table: TokenTable,
-                 max_tokens: int, max_seqs: int, max_model_len: int):
+    def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, max_tokens: int,
+                 max_seqs: int, max_model_len: int):
         self.model = model
         self.kv_caches = kv_caches
         self.device = kv_caches.device
-        self.token_table = token_table
-        self.translation = TranslationCache(token_table)
+        self.views = ViewStore()
         # persistent inputs, rewritten in place every step (what CUDA graph replay needs)
         self.buffers = InputBuffers(max_tokens, max_seqs, max_model_len, kv_caches.device)
-        self.relocation: Optional[RelocationExecutor] = None     # set where vToken reclaims
         self.graphs: Optional[CudaGraphRunner] = None    # decode-only steps (CUDA, not eager)
 
-    # ---- relocation copies (with the scheduler output) ----------------------------------------
-    def relocate(self, copies: Optional[CopyBatch]) -> Set[int]:
-        """This step's copies -> ids of batches completed since the last call (see
-        RelocationExecutor.execute); nothing where vToken does not reclaim."""
-        return set() if self.relocation is None else self.relocation.execute(copies)
-
     # ---- model step ---------------------------------------------------------------------------
-    def prepare_inputs(self, scheduled: List[Tuple[Sequence, int]],
-                       scores: Optional[ScoreRequest] = None) -> ModelInput:
-        scores = scores or ScoreRequest()
-        tt = self.token_table
-        if len(self.translation) > len(scheduled):
-            self.translation.retain(s.seq_id for s, _ in scheduled)
-        # Single-token rows first: they share one padded, batched attention call.
-        decodes = [(s, n) for s, n in scheduled if n == 1]
-        prefills = [(s, n) for s, n in scheduled if n > 1]
-        ids, pos, slots, rows, views = [], [], [], [], []
-        prefill_spans: List[PrefillSpan] = []
-        start = 0
-        for i, (seq, n) in enumerate(decodes + prefills):
-            c = seq.num_computed_tokens
-            ids.append(seq.token_ids[c:c + n])
-            pos.append(np.arange(c, c + n))
-            slots.append(tt.slots(seq.seq_id, c, c + n))
-            view_ids, view_slots = self.translation.view(seq.seq_id)
-            is_decode = i < len(decodes)
-            if is_decode:
-                views.append(view_slots)
-            else:
-                span = self._prefill_span(start, n, c, view_ids, view_slots)
-                first = scores.prefill_from.get(seq.seq_id)
-                if first is not None:
-                    span.colsum = torch.zeros(len(view_ids), device=self.device)
-                    span.colsum_from = first
-                prefill_spans.append(span)
-            stats_row = i if is_decode else len(prefill_spans) - 1
-            rows.append(StepRow(seq, n, start, view_ids, view_slots, stats_row, is_decode))
-            start += n
-        self.buffers.update(np.fromiter((t for r in ids for t in r), np.int64, start),
-                            np.concatenate(pos), np.concatenate(slots), views)
+    def prepare_inputs(self, step: StepInput) -> ModelInput:
+        views = self.views.update(step)
+        b = step.num_decodes
+        self.buffers.update(step.input_ids, step.positions, step.slot_mapping, views[:b])
         input_ids, positions, slot_mapping, decode_views, view_lens = self.buffers.step_inputs()
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, num_decodes=len(decodes), decode_views=decode_views,
-            decode_lens=view_lens, prefills=prefill_spans)
-        # a one-token prompt chunk runs as a decode row: its scores come from the decode mass
-        if decodes and (scores.decode or any(s.seq_id in scores.prefill_from for s, _ in decodes)):
+            slot_mapping=slot_mapping, num_decodes=b, decode_views=decode_views,
+            decode_lens=view_lens, prefills=self._prefill_spans(step, views[b:]))
+        if step.decode_mass:
             meta.decode_mass = torch.zeros(decode_views.shape, dtype=torch.float32,
                                            device=self.device)
-        return ModelInput(input_ids=input_ids, positions=positions, meta=meta, rows=rows,
-                          scores=scores)
+        return ModelInput(input_ids=input_ids, positions=positions, meta=meta, step=step,
+                          views=views)
 
-    def _prefill_span(self, start: int, n: int, computed: int, view_ids: np.ndarray,
+    def _prefill_spans(self, step: StepInput, views: List[np.ndarray]) -> List[PrefillSpan]:
+        b, spans = step.num_decodes, []
+        if not views:
+            return spans
+        starts = np.cumsum(step.num_new) - step.num_new
+        masked = 0                   # next unread entry of step.mask_view_ids
+        for j, slots in enumerate(views):
+            start, n = int(starts[b + j]), int(step.num_new[b + j])
+            computed = int(step.positions[start])     # a chunk's first logical id
+            ids = None
+            if needs_mask(computed, n, len(slots)):
+                ids = step.mask_view_ids[masked:masked + len(slots)]
+                masked += len(slots)
+            span = self._prefill_span(start, n, computed, ids, slots)
+            first = int(step.colsum_from[j])
+            if first != NO_COLUMN_SUMS:
+                span.colsum = torch.zeros(len(slots), device=self.device)
+                span.colsum_from = first
+            spans.append(span)
+        return spans
+
+    def _prefill_span(self, start: int, n: int, computed: int, view_ids: Optional[np.ndarray],
                       view_slots: np.ndarray) -> PrefillSpan:
+        """view_ids are read only where needs_mask()."""
         slots = to_device(view_slots.astype(np.int64, copy=False), self.device)
         mask = None
-        if computed > 0 or len(view_ids) != computed + n:
+        if needs_mask(computed, n, len(view_slots)):
             # query at logical id p sees live keys with id <= p
             ids = to_device(view_ids.astype(np.int64, copy=False), self.device)
             q_ids = torch.arange(computed, computed + n, device=self.device)
             mask = ids[None, :] <= q_ids[:, None]
         return PrefillSpan(start, start + n, slots, mask)
 
-    def logits_rows(self, rows: List[StepRow]) -> Union[torch.Tensor, slice]:
-        """Each row's last token's index in the flat batch (whose hidden state is sampled); in
-        a decode-only step those are the first len(rows) tokens: a slice, no gather."""
-        last = [r.start + r.num_new - 1 for r in rows]
-        if last == list(range(len(last))):
-            return slice(0, len(last))
-        return to_device(np.array(last, dtype=np.int64), self.device)
+    def compute_logits(self, hidden: torch.Tensor, step: StepInput):
+        """-> (logits of step.sample_indices, logits of step.prompt_logit_spans or None). In a
+        decode-only step the sampled rows are the first ones: a slice, no gather."""
+        idx, logits, prompt = step.sample_indices, None, None
+        if len(idx):
+            rows = slice(0, len(idx)) if idx[-1] == len(idx) - 1 else to_device(idx, self.device)
+            logits = self.model.compute_logits(hidden[rows])
+        if len(step.prompt_logit_spans):   # span by span, as a request's own chunk would be
+            prompt = torch.cat([self.model.compute_logits(hidden[s:s + n])
+                                for s, n in step.prompt_logit_spans.tolist()])
+        return logits, prompt
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> torch.Tensor:
+    def execute(self, inp: ModelInput,
+                relocation: Optional[RelocationExecutor] = None) -> torch.Tensor:
         if self.graphs is not None and self.graphs.accepts(inp):
-            hidden = self.graphs.run(inp, self.relocation)
+            hidden = self.graphs.run(inp, relocation)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if self.device.type == "cuda":
@@ -173,7 +140,7 @@ class ModelRunner:
             mass = None if meta.decode_mass is None else meta.decode_mass.numpy()
             return mass, [None if s.colsum is None else s.colsum.numpy() for s in meta.prefills]
         host, done = inp.host_stats
-        done.synchronize()             # already complete where the sampler read its tokens
+        done.synchronize()             # the step's forward has finished: its one host sync
         flat, at, mass, colsums = host.numpy(), 0, None, []
         if meta.decode_mass is not None:      # same order as _start_stats_copy
             at = meta.decode_mass.numel()
@@ -184,20 +151,19 @@ class ModelRunner:
             at += n
         return mass, colsums
 
-    def step_stats(self, inp: ModelInput) -> StepStats:
-        """The step's attention statistics per sequence, as numpy arrays by view position."""
+    def step_stats(self, inp: ModelInput) -> List[RowStats]:
+        """The step's attention statistics per row, as numpy arrays by view position."""
         mass, colsums = self._host_stats(inp)
-        rows = []
-        for r in inp.rows:
+        step, b, rows = inp.step, inp.step.num_decodes, []
+        for i, (view, code) in enumerate(zip(inp.views, step.key_statistic.tolist())):
             scores = None
-            if r.is_decode and mass is not None:
-                scores = mass[r.stats_row, :len(r.view_ids)]
-            elif not r.is_decode:
-                scores = colsums[r.stats_row]
-            kind = inp.scores.key_statistic.get(r.seq.seq_id)
-            keys = None if kind is None else self._key_statistic(r.view_slots, kind)
-            rows.append(SeqStepStats(r.seq, r.num_new, r.is_decode, r.view_ids, scores, keys))
-        return StepStats(rows)
+            if i < b and mass is not None:
+                scores = mass[i, :len(view)]
+            elif i >= b:
+                scores = colsums[i - b]
+            keys = self._key_statistic(view, KEY_STATISTICS[code - 1]) if code else None
+            rows.append(RowStats(scores, keys))
+        return rows
 
     def _key_statistic(self, view_slots: np.ndarray, kind: str) -> np.ndarray:
         """Per view token, mean over layers and KV heads: "norm" ||k||, or "similarity"

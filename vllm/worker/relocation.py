@@ -7,12 +7,14 @@ Protocol (one event per batch; the batches come with the scheduler output, see
 core/reclaim/backend.py):
 
     engine step k   after the forward the KV manager plans relocation (pending)
-    engine step k+1 schedule -> CopyBatch -> runner.relocate: fence, submit(id, src, dst), poll
-                    -> completed ids -> KV manager: apply_moves + free blocks
-                    -> executor.pre_attention() -> prepare_inputs -> forward (attention) ...
+    engine step k+1 schedule -> CopyBatch in the StepInput -> worker: fence, submit(id, src,
+                    dst), poll, pre_attention() -> forward (views still read the sources,
+                    which stay valid) -> completed ids in the StepOutput -> KV manager:
+                    apply_moves + free blocks
+    engine step k+2 views read the destinations (the compute stream waited on them at k+1)
 
 On CUDA the copy runs on a side stream that first waits for the compute stream (the sources were
-written by earlier forwards), and records an event. Nothing on the host waits: the runner
+written by earlier forwards), and records an event. Nothing on the host waits: the worker
 polls `query()`, and only a completed batch has its moves applied, so attention
 reads the old slots until then. `pre_attention()` makes the compute stream wait (a stream wait,
 never a device synchronize) on the batches completed since the last call, i.e. on every batch

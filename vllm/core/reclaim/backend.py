@@ -1,12 +1,13 @@
 """ReclamationBackend: eligibility -> plan -> copies for the worker -> apply_moves -> free blocks.
 
 The copies themselves run in the worker (worker/relocation.py); this side only plans and keeps
-the books. One plan per request at a time, in three states:
+the books, and hands the worker a CopyBatch (plain arrays, defined with the step input it travels
+in). One plan per request at a time, in three states:
 
     after_step k   plan eligible requests                          -> pending
-    schedule k+1   take_copies(): one CopyBatch, sent with the scheduler output -> in flight
-    worker         submits the batch, later reports it complete
-    complete()     apply_moves, free the emptied blocks             -> done
+    schedule k+1   take_copies(): one CopyBatch, sent in the step input -> in flight
+    worker         submits the batch, later reports it complete (in a step's output)
+    complete()     after that step's forward: apply_moves, free the emptied blocks -> done
 
 Until a copy completes the token table keeps pointing at the source slots, so attention reads
 the old (still valid) copies; sources are not freed and destinations not reused before then
@@ -16,7 +17,6 @@ batch (order the next forward after it) before anything can write those blocks a
 """
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 import numpy as np
@@ -27,15 +27,7 @@ from vllm.core.reclaim.eligibility import candidate_blocks, is_eligible
 from vllm.core.reclaim.planner import BlockSnapshot, RelocationPlan, plan
 from vllm.core.token_table import block_positions
 from vllm.sequence import Sequence
-
-
-@dataclass
-class CopyBatch:
-    """Relocation copies for the worker: kv[:, dst] = kv[:, src] in every layer, K and V."""
-    batch_id: Optional[int] = None           # None: no new copies, only fences
-    src: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    dst: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    fence: List[int] = field(default_factory=list)   # batches the next forward must wait for
+from vllm.worker.step_input import CopyBatch   # a plain value of the step protocol
 
 
 class ReclamationBackend:

@@ -109,7 +109,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer     # the server's own copy: the engine thread uses the other
         self.served_model_names = served_model_names
         self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.engine.model.config.vocab_size
+        self.vocab_size = engine.engine.hf_config.vocab_size
 
     # ---- validation ---------------------------------------------------------------------------
     def model_name(self, requested: Optional[str]) -> str:
