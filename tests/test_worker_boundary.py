@@ -219,13 +219,12 @@ def test_engine_runs_through_the_uniproc_executor(tiny_llama):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(tensor_parallel_size=2), "--tensor-parallel-size 2: tensor parallelism is not "
-                                   "implemented yet"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"),
+     "--distributed-executor-backend uni runs one process: it cannot run "
+     "--tensor-parallel-size 2"),
     (dict(pipeline_parallel_size=2), r"--pipeline-parallel-size: pipeline parallelism is not "
                                      r"supported by this engine \(got 2\)"),
     (dict(data_parallel_size=4), r"--data-parallel-size: data parallelism is not supported"),
-    (dict(distributed_executor_backend="mp"), "--distributed-executor-backend mp: .* not "
-                                              "implemented yet"),
     (dict(distributed_executor_backend="ray"), "--distributed-executor-backend ray"),
     (dict(distributed_executor_backend="nccl"), "--distributed-executor-backend: must be one"),
     (dict(tensor_parallel_size=0), "--tensor-parallel-size: must be >= 1"),

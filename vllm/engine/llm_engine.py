@@ -111,6 +111,10 @@ class LLMEngine:
             SequenceStatus.FINISHED_KV_EXHAUSTED.value,
             "" if self.kv_config.enabled else " (no default eviction policy bounds it)")
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor-parallel ranks); the engine cannot step after."""
+        self.model_executor.shutdown()
+
     def set_relocation_executor(self, executor) -> None:
         """Install the copy executor (tests install one whose completion is delayed)."""
         assert self.kv_config.reclaims and not self.requests, "set the executor before requests"

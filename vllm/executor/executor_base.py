@@ -2,7 +2,8 @@
 workers (one per rank) and carries each step's StepInput to every one of them:
 
     UniProcExecutor            one Worker in the engine's process (world size 1)
-    (to come) MultiprocExecutor, --distributed-executor-backend mp: one process per rank
+    MultiprocExecutor          --distributed-executor-backend mp: rank 0 in the engine's
+                               process, one spawned process per other rank
     (to come) RayDistributedExecutor, ray: one actor per rank, across nodes
 
 The engine keeps the scheduler, token tables, policies and relocation plans; the executor gets
@@ -27,14 +28,16 @@ class ExecutorBase(ABC):
     @staticmethod
     def get_class(parallel: ParallelConfig) -> Type["ExecutorBase"]:
         tp, backend = parallel.tensor_parallel_size, parallel.distributed_executor_backend
-        if tp > 1:
-            raise ValueError(f"--tensor-parallel-size {tp}: tensor parallelism is not implemented "
-                             f"yet in this build (it needs the multiprocess executor, "
-                             f"--distributed-executor-backend mp, which has not landed); use "
-                             f"--tensor-parallel-size 1")
-        if backend in ("mp", "ray"):
-            raise ValueError(f"--distributed-executor-backend {backend}: this executor is not "
-                             f"implemented yet in this build; use uni (or leave it unset)")
+        backend = backend or ("mp" if tp > 1 else "uni")
+        if backend == "uni" and tp > 1:
+            raise ValueError(f"--distributed-executor-backend uni runs one process: it cannot "
+                             f"run --tensor-parallel-size {tp}; use mp (the default) or ray")
+        if backend == "ray":
+            raise ValueError("--distributed-executor-backend ray: the Ray executor is not "
+                             "implemented yet in this build; use mp (one node)")
+        if backend == "mp":
+            from vllm.executor.multiproc_executor import MultiprocExecutor
+            return MultiprocExecutor
         from vllm.executor.uniproc_executor import UniProcExecutor
         return UniProcExecutor
 
@@ -77,12 +80,3 @@ class ExecutorBase(ABC):
 
     def shutdown(self) -> None:
         """Release the workers (nothing to do in-process)."""
-
-    @staticmethod
-    def _check_views(rank: int, held: Dict[int, np.ndarray],
-                     expected: Dict[int, np.ndarray]) -> None:
-        assert held.keys() == expected.keys(), \
-            f"rank {rank} holds views {sorted(held)}, the engine {sorted(expected)}"
-        for h, slots in expected.items():
-            assert np.array_equal(held[h], slots), \
-                f"rank {rank}: view {h} differs from the engine's (its deltas went astray)"

@@ -40,4 +40,4 @@ class UniProcExecutor(ExecutorBase):
         return self.driver_worker.info()
 
     def check_invariants(self, views: Dict[int, np.ndarray]) -> None:
-        self._check_views(0, self.driver_worker.view_snapshot(), views)
+        self.driver_worker.check_views(views)

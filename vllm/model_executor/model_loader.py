@@ -1,6 +1,8 @@
 """Build a model from a local HF directory (safetensors or .bin weights), or with random weights
 from its config alone (--load-format dummy), on the engine's device: weights are read (or drawn)
-straight onto it, never staged whole in host memory."""
+straight onto it, never staged whole in host memory. With tensor parallelism each rank reads
+only its shard (TPShards: safetensors slices; a .bin file or a dummy tensor is sliced one tensor
+at a time)."""
 import glob
 import os
 from typing import Dict, Optional
@@ -8,7 +10,9 @@ from typing import Dict, Optional
 import torch
 from transformers import AutoConfig
 
+from vllm.distributed.tp_group import TPGroup
 from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.tp_shards import TPShards
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -24,32 +28,40 @@ def load_hf_config(model_dir: str):
 
 
 def load_state_dict(model_dir: str, device: torch.device = torch.device("cpu"),
-                    dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
-    """Every tensor is read onto `device` (and cast to `dtype`) one at a time."""
-    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))   # noqa: E731
+                    dtype: Optional[torch.dtype] = None,
+                    shards: Optional[TPShards] = None) -> Dict[str, torch.Tensor]:
+    """Every tensor (this rank's slice of it, with `shards`) is read onto `device` and cast to
+    `dtype`, one at a time."""
+    def load(name, tensor):
+        name = name.removeprefix("_orig_mod.")
+        t = shards.take(name, tensor) if shards is not None else tensor
+        t = t if isinstance(t, torch.Tensor) else t[:]
+        return name, (t if dtype is None else t.to(dtype))
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     weights: Dict[str, torch.Tensor] = {}
     if files:
         from safetensors import safe_open
         for f in files:
             with safe_open(f, framework="pt", device=str(device)) as fh:
-                weights.update((k, cast(fh.get_tensor(k))) for k in fh.keys())
+                weights.update(load(k, fh.get_slice(k)) for k in fh.keys())
         return weights
     files = sorted(glob.glob(os.path.join(model_dir, "*.bin")))
     if not files:
         raise ValueError(f"--model: no *.safetensors or *.bin weights in {model_dir}")
-    for f in files:
-        part = torch.load(f, map_location=device, weights_only=True)
-        weights.update((k, cast(v)) for k, v in part.items())
+    for f in files:   # mmap: a rank's slices are read, not the whole file
+        part = torch.load(f, map_location=device, weights_only=True, mmap=True)
+        weights.update(load(k, v) for k, v in part.items())
     return weights
 
 
 def dummy_state_dict(hf_config, seed: int = 0, device: torch.device = torch.device("cpu"),
-                     dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+                     dtype: torch.dtype = torch.float32,
+                     shards: Optional[TPShards] = None) -> Dict[str, torch.Tensor]:
     """Seeded random weights with the checkpoint's names and shapes (N(0, initializer_range),
     norms 1, biases 0): paper-scale shapes run from a config.json alone. Drawn on `device` by a
     generator there (so a CUDA model differs from a CPU one with the same seed), in float32,
-    then cast."""
+    then cast. With `shards`, every rank draws the same stream and keeps its slice of each
+    tensor as it is drawn."""
     c = hf_config
     gen = torch.Generator(device).manual_seed(seed)
     std = getattr(c, "initializer_range", 0.02)
@@ -62,8 +74,13 @@ def dummy_state_dict(hf_config, seed: int = 0, device: torch.device = torch.devi
     def ones(n):
         return torch.ones(n, device=device, dtype=dtype)
 
-    w = {"model.embed_tokens.weight": rand(c.vocab_size, c.hidden_size),
-         "model.norm.weight": ones(c.hidden_size)}
+    class Sharded(dict):
+        def __setitem__(self, name, t):
+            super().__setitem__(name, shards.take(name, t) if shards is not None else t)
+
+    w = Sharded()
+    w["model.embed_tokens.weight"] = rand(c.vocab_size, c.hidden_size)
+    w["model.norm.weight"] = ones(c.hidden_size)
     if not getattr(c, "tie_word_embeddings", False):
         w["lm_head.weight"] = rand(c.vocab_size, c.hidden_size)
     bias = getattr(c, "attention_bias", False) or "Qwen2" in str(getattr(c, "architectures", ""))
@@ -80,23 +97,24 @@ def dummy_state_dict(hf_config, seed: int = 0, device: torch.device = torch.devi
         w[f"{p}.mlp.down_proj.weight"] = rand(c.hidden_size, c.intermediate_size)
         w[f"{p}.input_layernorm.weight"] = ones(c.hidden_size)
         w[f"{p}.post_attention_layernorm.weight"] = ones(c.hidden_size)
-    return w
+    return dict(w)
 
 
 def get_model(model_dir: str, hf_config, dtype: str, max_model_len: int,
               load_format: str = "auto", seed: int = 0,
-              device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+              device: torch.device = torch.device("cpu"),
+              tp: Optional[TPGroup] = None) -> torch.nn.Module:
     archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     cls = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
     if cls is None:
         raise ValueError(f"--model: architecture {archs} is not supported; "
                          f"supported: {sorted(_ARCHITECTURES)}")
-    device = torch.device(device)
+    device, tp = torch.device(device), tp or TPGroup()
+    shards = TPShards(hf_config, tp.rank, tp.world_size) if tp.world_size > 1 else None
     if load_format == "dummy":
-        weights = dummy_state_dict(hf_config, seed, device, DTYPES[dtype])
+        weights = dummy_state_dict(hf_config, seed, device, DTYPES[dtype], shards)
     else:
-        weights = load_state_dict(model_dir, device, DTYPES[dtype])
-        weights = {k.removeprefix("_orig_mod."): v for k, v in weights.items()}
+        weights = load_state_dict(model_dir, device, DTYPES[dtype], shards)
     with torch.no_grad():
-        model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device)
+        model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device, tp)
     return model.eval()

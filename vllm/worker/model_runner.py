@@ -98,14 +98,16 @@ class ModelRunner:
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInput):
         """-> (logits of step.sample_indices, logits of step.prompt_logit_spans or None). In a
-        decode-only step the sampled rows are the first ones: a slice, no gather."""
+        decode-only step the sampled rows are the first ones: a slice, no gather. With tensor
+        parallelism every rank computes its vocabulary shard and only rank 0 gets logits."""
         idx, logits, prompt = step.sample_indices, None, None
         if len(idx):
             rows = slice(0, len(idx)) if idx[-1] == len(idx) - 1 else to_device(idx, self.device)
             logits = self.model.compute_logits(hidden[rows])
         if len(step.prompt_logit_spans):   # span by span, as a request's own chunk would be
-            prompt = torch.cat([self.model.compute_logits(hidden[s:s + n])
-                                for s, n in step.prompt_logit_spans.tolist()])
+            spans = [self.model.compute_logits(hidden[s:s + n])
+                     for s, n in step.prompt_logit_spans.tolist()]
+            prompt = torch.cat(spans) if spans[0] is not None else None
         return logits, prompt
 
     @torch.inference_mode()
@@ -188,7 +190,7 @@ def profile_forward(model: torch.nn.Module, num_tokens: int, max_model_len: int,
     measures the peak memory of. Returns the scratch cache's bytes (the pool is not an
     activation)."""
     cfg, dev = model.config, model.embed.device
-    kv = torch.zeros(cfg.num_hidden_layers, num_tokens, 2, cfg.num_key_value_heads, cfg.head_dim,
+    kv = torch.zeros(cfg.num_hidden_layers, num_tokens, 2, model.num_kv_heads, cfg.head_dim,
                      dtype=model.embed.dtype, device=dev)
     starts = range(0, num_tokens, max_model_len)
     ends = [min(s + max_model_len, num_tokens) for s in starts]

@@ -1,4 +1,4 @@
-"""Worker: one per rank (today rank 0 of 1). It owns the model, the KV cache tensor, the model
+"""Worker: one per rank. It owns its model shard, its KV cache shard (its KV heads), the model
 runner and the relocation executor, and runs one StepInput at a time:
 
     engine (scheduler, token tables, policies, plans)      worker (this file)
@@ -11,23 +11,28 @@ runner and the relocation executor, and runs one StepInput at a time:
 Nothing here (nor in the model, attention or runner) imports vllm/core or vllm/sequence: a step
 arrives as numbers, so the same code serves any number of ranks.
 
+With tensor parallelism every rank runs the same StepInput (the same copies and views: a block
+id means the same everywhere) and one all-reduce agrees on what the engine sees: each row's
+attention statistics summed over ranks (each holds part of the heads), and a copy batch counted
+complete only once every rank has completed it.
+
 Sizing the KV pool is the worker's too: only it knows its bytes per block and, on CUDA, what a
 profiling forward of its model leaves free (upstream's determine_num_available_blocks).
 """
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Set
 
 import numpy as np
 import torch
 
 from vllm.config import VllmConfig
+from vllm.distributed.tp_group import TPGroup
 from vllm.model_executor.model_loader import DTYPES, get_model
 from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.model_runner import ModelRunner, profile_forward
 from vllm.worker.relocation import RelocationExecutor
 from vllm.worker.step_input import StepInput
-from vllm.worker.step_output import StepOutput
-
+from vllm.worker.step_output import RowStats, StepOutput
 
 
 def kv_blocks_for_memory(total: int, used: int, utilization: float, block_bytes: int) -> int:
@@ -43,32 +48,51 @@ def kv_blocks_for_memory(total: int, used: int, utilization: float, block_bytes:
 
 
 class Worker:
-    def __init__(self, config: VllmConfig, rank: int = 0):
+    def __init__(self, config: VllmConfig, rank: int = 0, tp: Optional[TPGroup] = None):
         self.config = config
         self.rank = rank
+        self.tp = tp or TPGroup()
         mc = config.model_config
         self.device = torch.device(mc.device)
         self.simulated = mc.load_format == "simulate"
         torch.manual_seed(mc.seed)
-        if self.simulated:   # no model math: the engine's KV plane runs for real
-            from vllm.model_executor.models.simulated import SimulatedModel
-            self.model = SimulatedModel(mc.hf_config, mc.seed)
-        else:
-            self.model = get_model(mc.model, mc.hf_config, mc.dtype, mc.max_model_len,
-                                   mc.load_format, mc.seed, self.device)
+        for turn in range(self.tp.world_size):   # ranks load (and time kernels) in turn
+            if turn == self.rank:
+                self.model = self._load_model()
+            self.tp.barrier()
+        self.unconfirmed: List[int] = []     # copy batches submitted, not yet done everywhere
+        self.done_here: Set[int] = set()     # ... of which this rank has completed
         self.gpu_memory_profile: Optional[dict] = None   # CUDA pool sizing
         self.kv_caches: Optional[torch.Tensor] = None
         self.model_runner: Optional[ModelRunner] = None
         self.relocation: Optional[RelocationExecutor] = None   # where vToken reclaims
 
+    def _load_model(self) -> torch.nn.Module:
+        mc = self.config.model_config
+        if self.simulated:   # no model math: the engine's KV plane runs for real
+            from vllm.model_executor.models.simulated import SimulatedModel
+            return SimulatedModel(mc.hf_config, mc.seed)
+        return get_model(mc.model, mc.hf_config, mc.dtype, mc.max_model_len, mc.load_format,
+                         mc.seed, self.device, self.tp)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """This rank's KV heads (all of them at world size 1)."""
+        return getattr(self.model, "num_kv_heads", self.model.config.num_key_value_heads)
+
     # ---- sizing -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
         cfg = self.model.config
         elem = torch.finfo(DTYPES[self.config.model_config.dtype]).bits // 8
-        return (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+        return (cfg.num_hidden_layers * 2 * self.num_kv_heads * cfg.head_dim * elem
                 * self.config.cache_config.block_size)
 
     def determine_num_kv_blocks(self) -> int:
+        """The blocks this rank can hold, then the minimum over ranks."""
+        blocks = torch.tensor([self._num_kv_blocks()], dtype=torch.int64, device=self.device)
+        return int(self.tp.all_reduce(blocks, "min"))
+
+    def _num_kv_blocks(self) -> int:
         cc = self.config.cache_config
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
@@ -110,8 +134,7 @@ class Worker:
         c = self.config
         cfg, block_size = self.model.config, c.cache_config.block_size
         shape = (1, num_blocks * block_size, 2, 1, 1) if self.simulated else \
-            (cfg.num_hidden_layers, num_blocks * block_size, 2, cfg.num_key_value_heads,
-             cfg.head_dim)
+            (cfg.num_hidden_layers, num_blocks * block_size, 2, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = torch.zeros(shape, dtype=DTYPES[c.model_config.dtype],
                                      device=self.device)
         sc = c.scheduler_config
@@ -132,17 +155,54 @@ class Worker:
         are applied by the engine after this step, so this step's views still read their
         sources, which stay valid until then), then the forward."""
         done = self.relocation.execute(step.copies) if self.relocation is not None else set()
-        out = StepOutput(completed_copies=sorted(done))
-        if step.num_rows == 0:
-            return out
-        runner = self.model_runner
-        inp = runner.prepare_inputs(step)
-        hidden = runner.execute(inp, self.relocation)
-        out.logits, out.prompt_logits = runner.compute_logits(hidden, step)
-        out.rows = runner.step_stats(inp)
+        out = StepOutput()
+        if step.num_rows:
+            runner = self.model_runner
+            inp = runner.prepare_inputs(step)
+            hidden = runner.execute(inp, self.relocation)
+            out.logits, out.prompt_logits = runner.compute_logits(hidden, step)
+            out.rows = runner.step_stats(inp)
+        if self.tp.world_size > 1:
+            done = self._agree(step, done, out.rows)
+        out.completed_copies = sorted(done)
         return out
 
+    def _agree(self, step: StepInput, done: Set[int], rows: List[RowStats]) -> Set[int]:
+        """One all-reduce (sum) over ranks of [each row's scores and key statistic, a 1 per
+        unconfirmed copy batch this rank has completed]; rows are updated in place, and the
+        batches every rank completed (their sum is N) returned. Scores are partial sums over
+        this rank's heads; key statistics are means over its KV heads (the same count on every
+        rank), so their mean over ranks is the whole mean."""
+        n = self.tp.world_size
+        if step.copies is not None and step.copies.batch_id is not None:
+            self.unconfirmed.append(step.copies.batch_id)
+        self.done_here |= done
+        parts = [p for r in rows for p in (r.scores, r.key_statistic) if p is not None]
+        flags = np.array([b in self.done_here for b in self.unconfirmed], np.float32)
+        flat = np.concatenate([p.astype(np.float32).ravel() for p in parts] + [flags])
+        summed = self.tp.all_reduce(torch.from_numpy(flat).to(self.device)).cpu().numpy()
+        at = 0
+        for r in rows:
+            if r.scores is not None:
+                r.scores, at = summed[at:at + len(r.scores)], at + len(r.scores)
+            if r.key_statistic is not None:
+                r.key_statistic, at = summed[at:at + len(r.key_statistic)] / n, \
+                    at + len(r.key_statistic)
+        everywhere = {b for b, c in zip(self.unconfirmed, summed[at:]) if c == n}
+        self.unconfirmed = [b for b in self.unconfirmed if b not in everywhere]
+        self.done_here -= everywhere
+        return everywhere
+
     # ---- hooks for the engine and tests -------------------------------------------------------
+    def check_views(self, expected: Dict[int, np.ndarray]) -> None:
+        """Every attention view this rank holds equals the engine's (I1 per rank)."""
+        held = self.view_snapshot()
+        assert held.keys() == expected.keys(), \
+            f"rank {self.rank} holds views {sorted(held)}, the engine {sorted(expected)}"
+        for h, slots in expected.items():
+            assert np.array_equal(held[h], slots), \
+                f"rank {self.rank}: view {h} differs from the engine's (its deltas went astray)"
+
     def set_relocation_executor(self, executor: RelocationExecutor) -> None:
         self.relocation = executor
 

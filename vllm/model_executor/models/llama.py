@@ -1,5 +1,11 @@
 """Llama family (Llama, Mistral, Qwen2): GQA, RoPE (incl. Llama-3 scaling), RMSNorm, SiLU MLP.
 
+With tensor parallelism (a TPGroup of N ranks) each rank holds its heads, its MLP columns and
+its vocabulary rows (model_executor/tp_shards.py): O and down are row-parallel, their partial
+sums all-reduced before the residual add; the embedding is vocabulary-parallel (each rank looks
+up its rows, zeros elsewhere, all-reduced) and the logits are gathered on rank 0. The C decode
+layer fuses a whole layer, so it runs at N = 1 only.
+
 Weights are kept pre-transposed ([in, out], contiguous) because `x @ Wt` is up to 2x faster than
 `F.linear(x, W)` for decode-shaped GEMMs on CPU. Q/K/V and gate/up are fused into one GEMM each.
 In float32 on CPU a KernelPlan (vllm/cpu_kernel_plan.py), timed once at load, picks per batch
@@ -17,6 +23,7 @@ from vllm import _custom_ops as ops
 from vllm import cpu_kernel_plan, cpu_kernels
 from vllm.attention.backend import AttentionMetadata, paged_attention, write_kv
 from vllm.cpu_kernel_plan import KernelPlan, band
+from vllm.distributed.tp_group import TPGroup
 from vllm.weight_arena import WeightArena
 
 
@@ -140,13 +147,18 @@ class Rotary(nn.Module):
         return x * cos + rotated * sin
 
 
+def local_heads(cfg, tp: TPGroup) -> Tuple[int, int]:
+    """(attention heads, KV heads) on one rank (KV heads replicated when N exceeds them)."""
+    n = tp.world_size
+    return cfg.num_attention_heads // n, max(cfg.num_key_value_heads // n, 1)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, w: Dict[str, torch.Tensor], p: str, plan: Optional[KernelPlan],
-                 arena: Optional[WeightArena] = None):
+                 arena: Optional[WeightArena] = None, tp: TPGroup = TPGroup()):
         super().__init__()
-        self.plan = plan
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.plan, self.tp = plan, tp
+        self.num_heads, self.num_kv_heads = local_heads(cfg, tp)
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         qkv_w = torch.cat([w[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"]).t()
@@ -154,8 +166,8 @@ class DecoderLayer(nn.Module):
         if f"{p}.self_attn.q_proj.bias" in w:
             qkv_b = torch.cat([w[f"{p}.self_attn.{n}_proj.bias"] for n in "qkv"])
         self.qkv = Linear(qkv_w, qkv_b, plan, arena)
-        self.o = Linear(w[f"{p}.self_attn.o_proj.weight"].t(), w.get(f"{p}.self_attn.o_proj.bias"),
-                        plan, arena)
+        o_bias = w.get(f"{p}.self_attn.o_proj.bias") if tp.rank == 0 else None  # added once
+        self.o = Linear(w[f"{p}.self_attn.o_proj.weight"].t(), o_bias, plan, arena)
         gate_up = torch.cat([w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"]]).t()
         self.gate_up = Linear(gate_up, plan=plan, arena=arena)
         self.down = Linear(w[f"{p}.mlp.down_proj.weight"].t(), plan=plan, arena=arena)
@@ -164,7 +176,7 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.fused = self._fused_weights(gate_up.shape[1] // 2)
+        self.fused = self._fused_weights(gate_up.shape[1] // 2) if tp.world_size == 1 else None
 
     def _fused_weights(self, intermediate: int) -> Optional[cpu_kernels.LayerWeights]:
         """The C decode layer's view of this layer, where every piece of it runs in C."""
@@ -195,33 +207,41 @@ class DecoderLayer(nn.Module):
             write_kv(kv_cache, meta.slot_mapping, k, v)
         decode_path = self.plan.attention_path(meta.num_decodes) if self.plan else None
         attn = paged_attention(q, kv_cache, meta, self.scale, decode_path)
-        x = self.o(attn.reshape(t, self.q_size), residual=x)
+        x = self._row_parallel(self.o, attn.reshape(t, self.q_size), x)
         h = rms_norm(x, self.ln2, self.eps)
-        return self.down(silu_mul(self.gate_up(h)), residual=x)
+        return self._row_parallel(self.down, silu_mul(self.gate_up(h)), x)
+
+    def _row_parallel(self, linear: Linear, x: torch.Tensor, residual: torch.Tensor):
+        """residual + x @ W, W's rows split over the ranks: partial products summed first."""
+        if self.tp.world_size == 1:
+            return linear(x, residual=residual)
+        return residual + self.tp.all_reduce(linear(x))
 
 
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM and Qwen2ForCausalLM (Qwen2 adds q/k/v biases)."""
 
     def __init__(self, cfg, weights: Dict[str, torch.Tensor], dtype: torch.dtype, max_pos: int,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), tp: Optional[TPGroup] = None):
         super().__init__()
         if getattr(cfg, "head_dim", None) is None:
             cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.config = cfg
+        self.config, self.tp = cfg, tp or TPGroup()
+        self.num_heads, self.num_kv_heads = local_heads(cfg, self.tp)   # this rank's
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         head = w.get("lm_head.weight")
         if head is None or getattr(cfg, "tie_word_embeddings", False):
             head = w["model.embed_tokens.weight"]
-        shapes = self._gemm_shapes(cfg, w, head)
+        shapes = self._gemm_shapes(cfg, w, head, self.num_heads, self.num_kv_heads)
         on_cpu = dtype == torch.float32 and not self.embed.is_cuda
         self.plan = cpu_kernel_plan.plan_model(
-            shapes, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            shapes, self.num_heads, self.num_kv_heads, cfg.head_dim,
             cfg.num_hidden_layers) if on_cpu and ops.cpu_kernels_enabled() else None
         arena = WeightArena(sum(count * Linear.arena_floats(shape, self.plan)
                                 for shape, count in shapes.items())) if on_cpu else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w, f"model.layers.{i}", self.plan, arena)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, f"model.layers.{i}", self.plan, arena,
+                                                 self.tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         self.lm_head = Linear(head.t(), plan=self.plan, arena=arena)
@@ -235,11 +255,10 @@ class LlamaForCausalLM(nn.Module):
             cpu_kernel_plan.choose_decode_layer(self.plan, step)
 
     @staticmethod
-    def _gemm_shapes(cfg, w: Dict[str, torch.Tensor],
-                     head: torch.Tensor) -> Dict[Tuple[int, int], int]:
-        """(K, N) of every GEMM weight -> how many the model has."""
+    def _gemm_shapes(cfg, w: Dict[str, torch.Tensor], head: torch.Tensor, heads: int,
+                     kv_heads: int) -> Dict[Tuple[int, int], int]:
+        """(K, N) of every GEMM weight (this rank's) -> how many the model has."""
         e, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
-        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         inter = w["model.layers.0.mlp.gate_proj.weight"].shape[0]
         shapes: Dict[Tuple[int, int], int] = {}
         for k, n, count in ((e, (heads + 2 * kv_heads) * d, layers), (heads * d, e, layers),
@@ -277,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed[input_ids]
+        x = self._embed(input_ids)
         cos = self.rotary.cos[positions]              # [T, D]
         sin = self.rotary.sin[positions]
         if self._all_in_c(meta, x.shape[0]):
@@ -285,6 +304,17 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.rotary, kv_caches[i], meta)
         return rms_norm(x, self.norm, self.eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: rank r holds rows r*S .. (r+1)*S; an id elsewhere reads
+        zeros, and the sum over ranks is the row. S=4, rank 1, ids [2, 5]: local [-2, 1] ->
+        [0, embed[1]]."""
+        if self.tp.world_size == 1:
+            return self.embed[input_ids]
+        local = input_ids - self.tp.rank * self.embed.shape[0]
+        mine = (local >= 0) & (local < self.embed.shape[0])
+        x = self.embed[local.clamp(0, self.embed.shape[0] - 1)] * mine[:, None]
+        return self.tp.all_reduce(x)
 
     def _all_in_c(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """A decode-only step in a band where the plan runs each layer as one C call."""
@@ -312,5 +342,10 @@ class LlamaForCausalLM(nn.Module):
     def _fused_stack(self):
         return cpu_kernels.layer_stack([layer.fused for layer in self.layers])
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """[rows, vocab] float32 on rank 0 (each rank computes its vocabulary rows, rank 0
+        gathers them); None on the other ranks."""
+        logits = self.lm_head(hidden).float()
+        if self.tp.world_size == 1:
+            return logits
+        return self.tp.gather_vocab(logits.contiguous(), self.config.vocab_size)

@@ -1,0 +1,104 @@
+"""TPGroup: the collectives tensor parallelism needs, over one process group of its own.
+
+    all_reduce(t)         in place, sum over ranks (the row-parallel O and down projections,
+                          the vocab-parallel embedding, the attention statistics)
+    gather_vocab(logits)  rank 0 gets [rows, vocab] from every rank's [rows, vocab shard]
+    broadcast_object(x)   rank 0's picklable x on every rank (the step input, control calls)
+
+World size 1 is the same object with nothing to talk to: every call returns at once, so the
+single-process model and worker run the same code. The group is a torch.distributed process
+group built straight on a TCPStore (gloo on CPU, NCCL on CUDA), not the process-wide default
+group: two engines in one process (tests, a server and a benchmark) each get their own.
+"""
+import datetime
+import pickle
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+# a worker that hangs (not dies: a dead one closes its sockets and fails the collective at once)
+# fails the step after this long
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class TPGroup:
+    def __init__(self, rank: int = 0, world_size: int = 1, host: str = "127.0.0.1",
+                 port: int = 0, device: torch.device = torch.device("cpu"),
+                 timeout_s: float = DEFAULT_TIMEOUT_S, connect: bool = True):
+        """Rank 0 hosts the store (port 0: any free port, read it from .port); connect=False
+        leaves joining the group (which waits for every rank) to connect()."""
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = self.pg = None
+        self.comm_seconds = 0.0        # host time spent waiting in collectives (benchmarks)
+        if world_size == 1:
+            return
+        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout,
+                                   wait_for_workers=False)
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        if self.device.type == "cuda":
+            self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.world_size)
+        else:
+            self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self.timeout)
+
+    @property
+    def port(self) -> int:
+        return self.store.port if self.store is not None else 0
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.pg is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op]
+            self._wait(self.pg.allreduce([t], opts))
+        return t
+
+    def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
+        """Every rank's [rows, shard] logits (shards of equal width, the last padded) joined
+        along the vocabulary and trimmed to vocab_size on rank 0; None on the others."""
+        if self.pg is None:
+            return local[:, :vocab_size]
+        parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 \
+            else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.gather([parts] if self.rank == 0 else [], [local], opts))
+        return torch.cat(parts, dim=1)[:, :vocab_size] if self.rank == 0 else None
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's obj, pickled once: its length, then its bytes (two broadcasts)."""
+        if self.pg is None:
+            return obj
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self._broadcast(size)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 \
+            else torch.empty(int(size), dtype=torch.uint8)
+        self._broadcast(buf)
+        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if self.device.type == "cuda":    # NCCL moves device tensors; objects are host bytes
+            dev = t.to(self.device)
+            self._wait(self.pg.broadcast([dev], opts))
+            t.copy_(dev.cpu())
+        else:
+            self._wait(self.pg.broadcast([t], opts))
+
+    def _wait(self, work) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        self.comm_seconds += time.perf_counter() - t0
+
+    def barrier(self) -> None:
+        if self.pg is not None:
+            self.all_reduce(torch.zeros(1, device=self.device))
+
+    def shutdown(self) -> None:
+        self.pg = self.store = None

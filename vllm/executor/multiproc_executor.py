@@ -1,0 +1,192 @@
+"""MultiprocExecutor (--distributed-executor-backend mp): tensor parallelism on one node.
+
+Rank 0's Worker runs in the engine's process (its logits are the sampler's input, so they never
+cross a process boundary); ranks 1..N-1 are spawned processes, each running worker_main. Every
+call the engine makes is a (method, args) pair that rank 0 broadcasts (TPGroup.broadcast_object)
+and then runs itself; every other rank runs the same call on its shard:
+
+    engine --execute_model(step)--> rank 0: broadcast ("execute_step", (step,)), run it
+                                    rank r: receive, run it (collectives inside meet rank 0's)
+
+CPU threads are split between the ranks (2 cores, N=2: one thread each), every spawned rank
+bound to its own cores. A rank that raises or dies ends the executor: its collective fails at
+once (a dead peer closes its sockets), the worker's last words (its traceback, or its exit
+code) name the rank in the error, and the other workers are stopped. Nothing outlives the
+executor: shutdown() (also at garbage collection and interpreter exit) stops every worker.
+"""
+import logging
+import multiprocessing
+import os
+import traceback
+import weakref
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from vllm.config import VllmConfig
+from vllm.distributed.tp_group import TPGroup
+from vllm.executor.executor_base import ExecutorBase
+from vllm.model_executor.tp_shards import TPShards
+from vllm.worker.step_input import StepInput
+from vllm.worker.step_output import StepOutput
+from vllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN = "shutdown"
+JOIN_TIMEOUT_S = 5.0
+
+
+def rank_cores(rank: int, world_size: int, cores: List[int]) -> List[int]:
+    """The cores rank `rank` gets: an equal share of this process's, in order (2 cores, 2
+    ranks: [c0], [c1]); ranks share cores when there are fewer cores than ranks."""
+    if len(cores) < world_size:
+        return [cores[rank % len(cores)]]
+    per = len(cores) // world_size
+    return cores[rank * per:(rank + 1) * per]
+
+
+def worker_main(config: VllmConfig, rank: int, port: int, cores: List[int], conn) -> None:
+    """A spawned rank: join the group, load its shard, then run rank 0's calls until shutdown.
+    Any failure is reported on `conn` and ends the process (which fails rank 0's collective)."""
+    try:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+        tp = TPGroup(rank, config.parallel_config.tensor_parallel_size, port=port,
+                     device=torch.device(config.model_config.device))
+        worker = Worker(config, rank, tp)
+        while True:
+            method, args = tp.broadcast_object()
+            if method == SHUTDOWN:
+                break
+            getattr(worker, method)(*args)
+    except BaseException as e:   # noqa: BLE001 -- reported, then the process ends
+        try:
+            conn.send(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        finally:
+            os._exit(1)
+    conn.close()
+
+
+def _kill(procs: List[multiprocessing.Process]) -> None:
+    """Kill the workers still running (run by shutdown and by weakref.finalize)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(JOIN_TIMEOUT_S)
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel rank raised or died; the executor cannot run further steps."""
+
+
+class MultiprocExecutor(ExecutorBase):
+    def __init__(self, config: VllmConfig):
+        super().__init__(config)
+        n = config.parallel_config.tensor_parallel_size
+        if config.model_config.load_format == "simulate":
+            raise ValueError("--load-format simulate has no model to shard: use "
+                             "--tensor-parallel-size 1")
+        TPShards(config.model_config.hf_config, 0, n)    # indivisible heads: ValueError now
+        cores = sorted(os.sched_getaffinity(0))
+        self.threads_before = torch.get_num_threads()
+        torch.set_num_threads(len(rank_cores(0, n, cores)))
+        device = torch.device(config.model_config.device)
+        self.tp = TPGroup(0, n, device=device, connect=False)
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: List[multiprocessing.Process] = []
+        self.conns = []
+        for rank in range(1, n):
+            ours, theirs = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=worker_main, name=f"vllm-tp-rank{rank}", daemon=True,
+                            args=(config, rank, self.tp.port, rank_cores(rank, n, cores),
+                                  theirs))
+            p.start()
+            theirs.close()
+            self.procs.append(p)
+            self.conns.append(ours)
+        self._finalizer = weakref.finalize(self, _kill, self.procs)
+        self.failure: Optional[WorkerFailed] = None
+        self.driver_worker = self._guard(self._start, config)
+
+    def _start(self, config: VllmConfig) -> Worker:
+        self.tp.connect()
+        return Worker(config, 0, self.tp)
+
+    # ---- every call: broadcast, then run on rank 0 ----------------------------------------------
+    def _call(self, method: str, *args):
+        return self._guard(self._broadcast_and_run, method, *args)
+
+    def _broadcast_and_run(self, method: str, *args):
+        self.tp.broadcast_object((method, args))
+        return getattr(self.driver_worker, method)(*args)
+
+    def _guard(self, fn, *args):
+        if self.failure is not None:
+            raise self.failure
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self.failure = self._diagnose(e)
+            self._kill_workers()
+            raise self.failure from e
+
+    def _diagnose(self, error: BaseException) -> WorkerFailed:
+        """Which rank failed and why: a worker's report, its exit, or rank 0's own error."""
+        for p in self.procs:
+            p.join(JOIN_TIMEOUT_S if not p.is_alive() else 0.5)
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            report = conn.recv() if conn.poll(0.5) else None
+            if report is not None or not p.is_alive():
+                why = report.splitlines()[0] if report else f"exit code {p.exitcode}"
+                logger.error("tensor-parallel rank %d failed:\n%s", rank, report or why)
+                return WorkerFailed(f"tensor-parallel worker rank {rank} failed ({why}); "
+                                    f"the engine cannot continue")
+        return WorkerFailed(f"tensor-parallel rank 0 failed ({type(error).__name__}: {error}); "
+                            f"the engine cannot continue")
+
+    def _kill_workers(self) -> None:
+        self._finalizer()
+        self.tp.shutdown()
+
+    # ---- ExecutorBase ---------------------------------------------------------------------------
+    def determine_num_kv_blocks(self) -> int:
+        return self._call("determine_num_kv_blocks")
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks)
+
+    @property
+    def gpu_memory_profile(self) -> Optional[dict]:
+        return self.driver_worker.gpu_memory_profile
+
+    def execute_model(self, step: StepInput) -> StepOutput:
+        return self._call("execute_step", step)
+
+    def set_relocation_executor(self, executor) -> None:
+        raise ValueError("a custom relocation executor is a single-process test hook; it "
+                         "cannot be installed at --tensor-parallel-size > 1")
+
+    def relocation_stats(self) -> Dict[str, float]:
+        return self.driver_worker.relocation_stats()
+
+    def engine_info(self) -> Dict:
+        info = self.driver_worker.info()
+        info["tensor_parallel_size"] = self.tp.world_size
+        return info
+
+    def check_invariants(self, views: Dict[int, np.ndarray]) -> None:
+        self._call("check_views", views)
+
+    def shutdown(self) -> None:
+        if self.failure is None and self.tp.pg is not None:
+            try:
+                self.tp.broadcast_object((SHUTDOWN, ()))
+                for p in self.procs:
+                    p.join(JOIN_TIMEOUT_S)
+            except Exception:   # noqa: BLE001 -- a worker already gone: killed below
+                pass
+        self._finalizer()
+        self.tp.shutdown()
+        torch.set_num_threads(self.threads_before)
