@@ -10,6 +10,9 @@ finishes within a bounded number of steps. At the end, every request that ran un
 (never preempted, aborted or out of KV) must produce exactly the tokens and evictions of the same
 request run alone, without prefix caching: batching, chunking, the prefix cache and the
 reclamation mode never change what a request computes. Preemption may (see README).
+
+The same harness runs with tensor parallelism (TP=2, fewer examples, copies landing at once:
+the delayed executor is a single-process hook), each request compared with its TP=1 solo run.
 """
 from typing import Dict, List, Tuple
 
@@ -26,8 +29,9 @@ POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "
 MODES = ["none", "vtoken", "vtoken-fill"]
 MAX_STEPS = 4000
 EXAMPLES = 80
+TP_EXAMPLES = 6
 OPS = {"count": 0, "steps": 0, "identical": 0, "preemptions": 0, "aborts": 0,
-       "cache_hit_blocks": 0, "relocations": 0, "exhausted": 0}
+       "cache_hit_blocks": 0, "relocations": 0, "exhausted": 0, "tp2_identical": 0}
 
 configs = st.fixed_dictionaries({
     "kv_eviction_policy": st.sampled_from(POLICIES),
@@ -82,11 +86,12 @@ def solo(model, cfg: dict, rid: str, prompt: List[int], p: SamplingParams) -> Li
 
 
 class Traffic:
-    def __init__(self, model, cfg: dict, delay: int):
+    def __init__(self, model, cfg: dict, delay: int, tp: int = 1):
         self.model, self.cfg = model, cfg
-        llm = LLM(model, kv_check_invariants=True, kv_eviction_log=True, **cfg)
+        llm = LLM(model, kv_check_invariants=True, kv_eviction_log=True,
+                  tensor_parallel_size=tp, **cfg)
         self.eng = llm.llm_engine
-        if self.eng.kv_config.reclaims:
+        if self.eng.kv_config.reclaims and tp == 1:
             self.eng.set_relocation_executor(DelayedRelocationExecutor(self.eng.kv_caches, delay))
         self.requests = {}         # rid -> (prompt, params, seqs)
         self.aborted = set()
@@ -155,7 +160,24 @@ def one_thread():
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cfg=configs, delay=st.integers(0, 3), program=st.lists(op, min_size=30, max_size=60))
 def test_random_traffic_keeps_invariants_and_solo_identity(tiny_llama, cfg, delay, program):
-    t = Traffic(tiny_llama, cfg, delay)
+    play(Traffic(tiny_llama, cfg, delay), program)
+
+
+@settings(max_examples=TP_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cfg=configs, program=st.lists(op, min_size=20, max_size=40))
+def test_random_traffic_at_tp2_keeps_invariants_and_tp1_solo_identity(tiny_llama, cfg,
+                                                                      program):
+    t = Traffic(tiny_llama, cfg, 0, tp=2)
+    try:
+        before = OPS["identical"]
+        play(t, program)
+        OPS["tp2_identical"] += OPS["identical"] - before
+    finally:
+        t.eng.shutdown()
+
+
+def play(t: Traffic, program) -> None:
     for i, (kind, a, b, c) in enumerate(program):
         OPS["count"] += 1
         if kind == "add":
@@ -187,4 +209,4 @@ def test_harness_ran_enough_operations():
     assert OPS["count"] >= 2000, OPS
     # the mix really happened: identity checked, preemption, aborts, hits and copies seen
     assert min(OPS[k] for k in ("identical", "preemptions", "aborts", "cache_hit_blocks",
-                                "relocations")) > 0, OPS
+                                "relocations", "tp2_identical")) > 0, OPS

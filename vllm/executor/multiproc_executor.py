@@ -77,6 +77,14 @@ def _kill(procs: List[multiprocessing.Process]) -> None:
         p.join(JOIN_TIMEOUT_S)
 
 
+def _last_words(conn) -> Optional[str]:
+    """A failed worker's report, if it sent one (a killed worker only closes its end)."""
+    try:
+        return conn.recv() if conn.poll(0.5) else None
+    except (EOFError, OSError):
+        return None
+
+
 class WorkerFailed(RuntimeError):
     """A tensor-parallel rank raised or died; the executor cannot run further steps."""
 
@@ -137,7 +145,7 @@ class MultiprocExecutor(ExecutorBase):
         for p in self.procs:
             p.join(JOIN_TIMEOUT_S if not p.is_alive() else 0.5)
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            report = conn.recv() if conn.poll(0.5) else None
+            report = _last_words(conn)
             if report is not None or not p.is_alive():
                 why = report.splitlines()[0] if report else f"exit code {p.exitcode}"
                 logger.error("tensor-parallel rank %d failed:\n%s", rank, report or why)
