@@ -23,6 +23,14 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 600.0
 
 
+def rank_device(device: str, rank: int, world_size: int) -> torch.device:
+    """Rank r's device: cuda:r on CUDA with more than one rank (one GPU per rank, one node),
+    else `device` as given."""
+    if world_size > 1 and torch.device(device).type == "cuda":
+        return torch.device("cuda", rank)
+    return torch.device(device)
+
+
 class TPGroup:
     def __init__(self, rank: int = 0, world_size: int = 1, host: str = "127.0.0.1",
                  port: int = 0, device: torch.device = torch.device("cpu"),

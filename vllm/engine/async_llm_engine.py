@@ -10,8 +10,15 @@
 Only the engine thread touches the LLMEngine, so the engine needs no locks. Commands are
 plain callables on a queue; a request's errors (bad prompt, failed step) travel through its
 own stream and are raised by `generate()`. A failing step aborts every request in flight
-(their engine state is suspect) and the loop goes on. Every request is added to the engine with stream=True, so the thread sees
-every new token (for TTFT / inter-token latency) and callers may stream or wait for the end.
+(their engine state is suspect); the loop goes on if the engine is still healthy
+(LLMEngine.check_health), else it dies: every request in flight and every later one gets
+EngineDeadError, check_health() raises it, and the server exits (api_server). A worker that
+dies while nothing runs is noticed within idle_wait_s. Every request is added to the engine
+with stream=True, so the thread sees every new token (for TTFT / inter-token latency) and
+callers may stream or wait for the end.
+
+The loop thread calls LLMEngine.shutdown() (which stops tensor-parallel workers) when it ends,
+by shutdown() or by dying; shutdown() also calls it when no loop thread ever ran.
 
 The Python API is upstream's (AsyncEngineArgs -> from_engine_args -> generate / abort /
 check_health / shutdown): the loop starts with the first request, so a script needs no start().
@@ -109,6 +116,8 @@ class AsyncLLMEngine:
         self._thread: Optional[threading.Thread] = None
         self._parked: Optional[threading.Event] = None    # set: the builder thread starts looping
         self._stopping = False
+        self._engine_released = False                     # LLMEngine.shutdown() was called
+        self._release_lock = threading.Lock()
         self.num_step_errors = 0
         self.snapshot: Dict[str, float] = self._snapshot()
 
@@ -174,14 +183,33 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (requests in flight get EngineDeadError), then the LLMEngine (its
+        tensor-parallel workers). A loop stuck in a step past `timeout` stops the engine itself
+        once the step returns (or the workers go with the process at exit)."""
         self._stopping = True
         self._wake.set()
         if self._parked is not None:          # never started: let the builder thread exit
             self._parked.set()
             self._parked = None
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("the engine loop did not stop within %.0f s; its engine is shut "
+                               "down when its step returns", timeout)
+                return
+        self._release_engine()
+
+    def _release_engine(self) -> None:
+        """LLMEngine.shutdown(), once (the loop thread at its end, or shutdown())."""
+        with self._release_lock:
+            if self._engine_released:
+                return
+            self._engine_released = True
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
 
     @property
     def is_running(self) -> bool:
@@ -196,6 +224,12 @@ class AsyncLLMEngine:
     @property
     def is_stopped(self) -> bool:
         return self.errored
+
+    @property
+    def died(self) -> bool:
+        """The loop ended on an error (e.g. a tensor-parallel worker failed), not by shutdown():
+        the engine cannot serve again."""
+        return self._death is not None
 
     @property
     def dead_error(self) -> EngineDeadError:
@@ -338,25 +372,35 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         try:
             self._step_until_stopped()
-        except BaseException as e:   # not an Exception: the thread ends, its requests fail
+        except BaseException as e:   # a fatal error: the thread ends, its requests fail
             self._death = e
-            logger.critical("the engine loop died", exc_info=e)
+            logger.critical("the engine loop died; the engine cannot serve again", exc_info=e)
         with self._submit_lock:      # a request submitted from now on is refused, not lost
             self._closed = True
         self._drain_commands()
         self._fail_all(self.dead_error if self._death is not None
                        else EngineDeadError("the engine is shutting down"))
+        self._release_engine()       # stop the workers: no step runs on this engine again
 
     def _step_until_stopped(self) -> None:
         while not self._stopping:
             try:
                 self._run_once()
             except Exception as e:   # the step (or its bookkeeping) failed: fail its requests
+                self.num_step_errors += 1
+                if not self._engine_healthy():
+                    raise            # e.g. WorkerFailed: the engine cannot step again
                 logger.error("engine step failed; aborting %d requests", len(self._streams),
                              exc_info=e)
-                self.num_step_errors += 1
                 self._fail_all(EngineStepError(f"engine step failed: {e!r}"))
                 time.sleep(0.01)
+
+    def _engine_healthy(self) -> bool:
+        try:
+            self.engine.check_health()
+        except Exception:
+            return False
+        return True
 
     def _run_once(self) -> None:
         self._wake.clear()
@@ -364,6 +408,8 @@ class AsyncLLMEngine:
         if not self.engine.has_unfinished_requests():
             self.snapshot = self._snapshot()
             self._wake.wait(self.idle_wait_s)
+            if not self._stopping:
+                self.engine.check_health()   # a worker that died while idle ends the loop now
             return
         self._dispatch(self.engine.step())
 

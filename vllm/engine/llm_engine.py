@@ -115,6 +115,11 @@ class LLMEngine:
         """Stop the executor's workers (tensor-parallel ranks); the engine cannot step after."""
         self.model_executor.shutdown()
 
+    def check_health(self) -> None:
+        """Raises if the engine cannot step any more (e.g. WorkerFailed: a tensor-parallel
+        worker failed or exited); upstream's name."""
+        self.model_executor.check_health()
+
     def set_relocation_executor(self, executor) -> None:
         """Install the copy executor (tests install one whose completion is delayed)."""
         assert self.kv_config.reclaims and not self.requests, "set the executor before requests"

@@ -78,5 +78,8 @@ class ExecutorBase(ABC):
     def check_invariants(self, views: Dict[int, np.ndarray]) -> None:
         """Every rank's attention views equal the engine's (handle -> slots)."""
 
+    def check_health(self) -> None:
+        """Raises if the executor cannot run further steps (a worker failed); upstream's name."""
+
     def shutdown(self) -> None:
         """Release the workers (nothing to do in-process)."""

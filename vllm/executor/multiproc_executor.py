@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from vllm.config import VllmConfig
-from vllm.distributed.tp_group import TPGroup
+from vllm.distributed.tp_group import TPGroup, rank_device
 from vllm.executor.executor_base import ExecutorBase
 from vllm.model_executor.tp_shards import TPShards
 from vllm.worker.step_input import StepInput
@@ -53,8 +53,8 @@ def worker_main(config: VllmConfig, rank: int, port: int, cores: List[int], conn
     try:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
-        tp = TPGroup(rank, config.parallel_config.tensor_parallel_size, port=port,
-                     device=torch.device(config.model_config.device))
+        n = config.parallel_config.tensor_parallel_size
+        tp = TPGroup(rank, n, port=port, device=rank_device(config.model_config.device, rank, n))
         worker = Worker(config, rank, tp)
         while True:
             method, args = tp.broadcast_object()
@@ -100,8 +100,8 @@ class MultiprocExecutor(ExecutorBase):
         cores = sorted(os.sched_getaffinity(0))
         self.threads_before = torch.get_num_threads()
         torch.set_num_threads(len(rank_cores(0, n, cores)))
-        device = torch.device(config.model_config.device)
-        self.tp = TPGroup(0, n, device=device, connect=False)
+        self.tp = TPGroup(0, n, device=rank_device(config.model_config.device, 0, n),
+                          connect=False)
         ctx = multiprocessing.get_context("spawn")
         self.procs: List[multiprocessing.Process] = []
         self.conns = []
@@ -186,6 +186,15 @@ class MultiprocExecutor(ExecutorBase):
 
     def check_invariants(self, views: Dict[int, np.ndarray]) -> None:
         self._call("check_views", views)
+
+    def check_health(self) -> None:
+        """Raises WorkerFailed once a worker has failed or exited (also while no step runs)."""
+        self._guard(self._check_workers_alive)
+
+    def _check_workers_alive(self) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited")
 
     def shutdown(self) -> None:
         if self.failure is None and self.tp.pg is not None:

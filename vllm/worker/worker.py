@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from vllm.config import VllmConfig
-from vllm.distributed.tp_group import TPGroup
+from vllm.distributed.tp_group import TPGroup, rank_device
 from vllm.model_executor.model_loader import DTYPES, get_model
 from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.model_runner import ModelRunner, profile_forward
@@ -53,7 +53,9 @@ class Worker:
         self.rank = rank
         self.tp = tp or TPGroup()
         mc = config.model_config
-        self.device = torch.device(mc.device)
+        self.device = rank_device(mc.device, self.tp.rank, self.tp.world_size)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.simulated = mc.load_format == "simulate"
         torch.manual_seed(mc.seed)
         for turn in range(self.tp.world_size):   # ranks load (and time kernels) in turn
@@ -140,7 +142,10 @@ class Worker:
         sc = c.scheduler_config
         self.model_runner = ModelRunner(self.model, self.kv_caches, sc.max_num_batched_tokens,
                                         sc.max_num_seqs, sc.max_model_len)
-        if self.device.type == "cuda" and not c.model_config.enforce_eager:
+        # CUDA graphs capture one rank's kernels; with tensor parallelism the all-reduces
+        # between them run eagerly (capturing NCCL collectives is not done here)
+        if self.device.type == "cuda" and not c.model_config.enforce_eager \
+                and self.tp.world_size == 1:
             self.model_runner.graphs = CudaGraphRunner(self.model, self.kv_caches,
                                                        self.model_runner.buffers, sc.max_num_seqs)
         if c.kv_config.reclaims:
