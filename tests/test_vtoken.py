@@ -159,11 +159,15 @@ def test_shared_prefix_blocks_are_never_relocated(tiny_llama):
 
 
 def test_preemption_under_eviction_keeps_invariants(tiny_llama, long_prompts):
+    """Naive-Evict preempts in this pool; vToken repacks under pressure and preempts less."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    llm, outs, _ = run(tiny_llama, long_prompts, params, kv_eviction_policy="h2o",
-                       num_gpu_blocks_override=24, block_size=8)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert all(len(o.outputs[0].token_ids) == 48 for o in outs)
+    preemptions = {}
+    for mode in ("none", "vtoken"):
+        llm, outs, _ = run(tiny_llama, long_prompts, params, kv_eviction_policy="h2o",
+                           num_gpu_blocks_override=24, block_size=8, kv_reclamation=mode)
+        preemptions[mode] = llm.llm_engine.scheduler.num_preemptions
+        assert all(len(o.outputs[0].token_ids) == 48 for o in outs)
+    assert preemptions["none"] > 0 and preemptions["vtoken"] < preemptions["none"], preemptions
 
 
 def test_kv_stats_fields(tiny_llama, long_prompts):

@@ -81,8 +81,12 @@ class BlockManager:
 
     # ---- waiting -> running -----------------------------------------------------------------
     def can_allocate(self, hits: List[int], num_new_tokens: int) -> bool:
+        return self.allocate_shortfall(hits, num_new_tokens) == 0
+
+    def allocate_shortfall(self, hits: List[int], num_new_tokens: int) -> int:
+        """Blocks missing to admit a request (0: it fits)."""
         needed = cdiv(num_new_tokens, self.block_size)
-        return self.pool.num_free - self.pool.num_free_among(hits) >= needed
+        return max(needed - (self.pool.num_free - self.pool.num_free_among(hits)), 0)
 
     def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
         assert not seq.block_ids, f"{seq.seq_id} already holds blocks"
@@ -106,7 +110,11 @@ class BlockManager:
         return cdiv(max(spill, 0), self.block_size)
 
     def can_append(self, seq: Sequence, num_new_tokens: int, num_holes: int = 0) -> bool:
-        return self.pool.num_free >= self.blocks_to_append(seq, num_new_tokens, num_holes)
+        return self.append_shortfall(seq, num_new_tokens, num_holes) == 0
+
+    def append_shortfall(self, seq: Sequence, num_new_tokens: int, num_holes: int = 0) -> int:
+        """Blocks missing for a running request to append (0: it fits)."""
+        return max(self.blocks_to_append(seq, num_new_tokens, num_holes) - self.pool.num_free, 0)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int,
                      holes: Optional[np.ndarray] = None) -> None:

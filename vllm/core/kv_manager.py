@@ -3,7 +3,8 @@
 It builds and owns the block manager (pool, prefix cache, token tables), the eviction driver,
 the reclamation backend, the hole filler and the monitor, and holds the one busy-block rule.
 
-    scheduler -> can_allocate / allocate / can_append / append_slots / free, take_copies
+    scheduler -> can_allocate / allocate / can_append / append_slots / free, take_copies,
+                 relieve(shortfall) when the pool is short
     engine    -> after_step(StepStats), copies_done(batch ids), stats(), check_invariants()
     runner    <- score_request(scheduled): which attention statistics the step must collect
 
@@ -57,6 +58,9 @@ class KVManager:
     def can_allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> bool:
         return self.bm.can_allocate(hits, num_new_tokens)
 
+    def allocate_shortfall(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> int:
+        return self.bm.allocate_shortfall(hits, num_new_tokens)
+
     def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
         self.bm.allocate(seq, hits, num_new_tokens)
         self.seqs[seq.seq_id] = seq
@@ -82,6 +86,22 @@ class KVManager:
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         holes = self._holes(seq, num_new_tokens)
         return self.bm.can_append(seq, num_new_tokens, 0 if holes is None else len(holes))
+
+    def append_shortfall(self, seq: Sequence, num_new_tokens: int) -> int:
+        holes = self._holes(seq, num_new_tokens)
+        return self.bm.append_shortfall(seq, num_new_tokens, 0 if holes is None else len(holes))
+
+    def relieve(self, shortfall: int) -> int:
+        """The pool is `shortfall` blocks short: plan repacking (any plan that frees a block)
+        until the plans pending and in flight free that many. -> blocks they will free (0
+        without reclamation)."""
+        if self.reclaimer is None:
+            return 0
+        return self.reclaimer.relieve(list(self.seqs.values()), shortfall)
+
+    def will_free(self, seq_id: str) -> bool:
+        """seq has a relocation plan pending or in flight (it will give blocks back)."""
+        return bool(self.reclaimer) and self.reclaimer.has_plan(seq_id)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         holes = self._holes(seq, num_new_tokens)

@@ -2,13 +2,18 @@
 
 Each step hands out a token budget (--max-num-batched-tokens): running sequences first (one
 decode token each, or the next chunk of an unfinished prefill), then waiting sequences in
-arrival order. When blocks run out, the most recently admitted running sequence is preempted:
-its blocks and token table are freed and it is prefilled again later (prompt + generated).
+arrival order. When blocks run out and vToken reclaims, the KV manager first plans repacking
+for the shortfall (KVManager.relieve): if the copies under way will free enough blocks, the
+request waits a step for them (a running one is skipped this step, a waiting one stays first in
+line) instead of being preempted or refused. Otherwise the most recently admitted running
+sequence without a repacking plan (the last one if all have one) is preempted: its blocks and
+token table are freed and it is prefilled again later (prompt + generated).
 
 Under eviction a request's logical length can exceed the pool. Its re-prefill then runs in
 bounded chunks and evicts after each (KVManager.chunk_bound); a request that cannot grow
 even with the pool to itself is finished as FINISHED_KV_EXHAUSTED, never retried forever.
 """
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +35,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class Room(enum.Enum):
+    YES = "yes"          # the sequence can append now
+    LATER = "later"      # repacking under way frees the blocks: skip it this step
+    GONE = "gone"        # preempted or finished: it left the running list
 
 
 class Scheduler:
@@ -80,27 +91,44 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, n, out):
+            room = self._make_room(i, n, out)
+            if room is Room.GONE:
                 continue             # seq left the running list; the next one slid into i
+            if room is Room.LATER:
+                i += 1
+                continue
             self.kv.append_slots(seq, n)
             out.scheduled.append((seq, n))
             budget -= n
             i += 1
         return budget
 
-    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Preempt from the back of the running list until seq can append n tokens."""
-        while not self.kv.can_append(seq, n):
-            victim = self.running[-1]
-            if victim is seq and len(self.running) == 1:
-                if not self.kv.busy_blocks(seq.seq_id):   # no relocation about to free blocks
-                    self._exhausted(seq, out)              # alone and still out of blocks
-                return False
-            self.running.pop()
+    def _make_room(self, i: int, n: int, out: SchedulerOutput) -> Room:
+        """Until running[i] can append n tokens: wait for repacking that covers the shortfall,
+        else preempt from running[i:] (not yet scheduled this step)."""
+        seq = self.running[i]
+        while True:
+            shortfall = self.kv.append_shortfall(seq, n)
+            if shortfall == 0:
+                return Room.YES
+            if self.kv.relieve(shortfall) >= shortfall:
+                return Room.LATER
+            if len(self.running) == 1:                 # alone and still out of blocks
+                if self.kv.will_free(seq.seq_id):
+                    return Room.LATER                  # its own repacking frees some
+                self._exhausted(seq, out)
+                return Room.GONE
+            victim = self._victim(i)
+            self.running.remove(victim)
             self._preempt(victim, out)
             if victim is seq:
-                return False
-        return True
+                return Room.GONE
+
+    def _victim(self, i: int) -> Sequence:
+        """The most recently admitted of running[i:] without a repacking plan (whose blocks
+        are about to come back anyway), or the most recent one if all have plans."""
+        later = self.running[i:]
+        return next((s for s in reversed(later) if not self.kv.will_free(s.seq_id)), later[-1])
 
     def _exhausted(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.finish(seq, SequenceStatus.FINISHED_KV_EXHAUSTED)
@@ -123,10 +151,12 @@ class Scheduler:
             if n < remaining and not self.config.enable_chunked_prefill \
                     and kv.chunk_bound(seq) is None:
                 break
-            if not kv.can_allocate(seq, hits, n):
+            shortfall = kv.allocate_shortfall(seq, hits, n)
+            if shortfall:
                 if not self.running and not out.scheduled:
                     self._exhausted(self.waiting[0], out)   # the whole pool is not enough
                     continue
+                kv.relieve(shortfall)    # repacking under way: admitted once it lands
                 break
             self.waiting.popleft()
             kv.allocate(seq, hits, n)

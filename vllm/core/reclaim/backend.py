@@ -14,6 +14,13 @@ the old (still valid) copies; sources are not freed and destinations not reused 
 (their blocks are "busy": no eviction frees them, no hole filling writes them). A request that
 leaves with a batch in flight has its blocks freed at once; the worker is told to fence the
 batch (order the next forward after it) before anything can write those blocks again.
+
+Two triggers. Without pressure, after each step, a request is planned once the dead share of
+its candidate blocks passes --kv-frag-threshold (nothing copies while the pool has room to
+spare). Under pressure (the scheduler cannot admit or append for lack of blocks), relieve()
+plans at a dead share of zero -- any plan that frees a block -- taking the requests whose plans
+free the most blocks (then move the fewest tokens) first, until the plans pending and in flight
+cover the shortfall; the scheduler then waits for them instead of preempting or refusing.
 """
 import itertools
 import time
@@ -40,6 +47,7 @@ class ReclamationBackend:
         self.fences: List[int] = []
         self._batch_ids = itertools.count()
         self.events = 0
+        self.pressure_events = 0
         self.tokens_moved = 0
         self.blocks_freed = 0
         self.planner_time = 0.0
@@ -51,7 +59,31 @@ class ReclamationBackend:
             return set()
         return set(p.freed_blocks) | set(p.dst_blocks)
 
-    # ---- planning (after a step) ---------------------------------------------------------------
+    def has_plan(self, seq_id: str) -> bool:
+        return seq_id in self.pending or seq_id in self.in_flight
+
+    def blocks_coming(self) -> int:
+        """Blocks the plans pending and in flight free once their copies complete."""
+        return sum(len(p.freed_blocks) for plans in (self.pending, self.in_flight)
+                   for p in plans.values())
+
+    # ---- planning --------------------------------------------------------------------------------
+    def relieve(self, seqs: List[Sequence], shortfall: int) -> int:
+        t0 = time.perf_counter()
+        coming = self.blocks_coming()
+        if coming < shortfall:
+            plans = [p for p in (self._plan(s, frag_threshold=0.0) for s in seqs
+                                 if not self.has_plan(s.seq_id)) if p is not None]
+            plans.sort(key=lambda p: (-len(p.freed_blocks), len(p.token_ids)))
+            for p in plans:
+                if coming >= shortfall:
+                    break
+                self.pending[p.seq_id] = p
+                self.pressure_events += 1
+                coming += len(p.freed_blocks)
+        self.planner_time += time.perf_counter() - t0
+        return coming
+
     def plan_step(self, seqs: List[Sequence]) -> None:
         t0 = time.perf_counter()
         for seq in seqs:
@@ -61,7 +93,8 @@ class ReclamationBackend:
                     self.pending[seq.seq_id] = p
         self.planner_time += time.perf_counter() - t0
 
-    def _plan(self, seq: Sequence) -> Optional[RelocationPlan]:
+    def _plan(self, seq: Sequence,
+              frag_threshold: Optional[float] = None) -> Optional[RelocationPlan]:
         tt = self.bm.token_table
         if tt.num_live(seq.seq_id) == tt.length(seq.seq_id):
             return None                               # nothing evicted: nothing to repack
@@ -71,7 +104,8 @@ class ReclamationBackend:
         bs = self.bm.block_size
         ids, slots = tt.live_ids(seq.seq_id), tt.live_slots(seq.seq_id).astype(np.int64)
         inside = block_positions(slots, blocks, bs) >= 0
-        if not is_eligible(seq, len(blocks), int(inside.sum()), bs, self.config.frag_threshold):
+        threshold = self.config.frag_threshold if frag_threshold is None else frag_threshold
+        if not is_eligible(seq, len(blocks), int(inside.sum()), bs, threshold):
             return None
         snap = BlockSnapshot(seq.seq_id, tt.version(seq.seq_id), blocks, ids[inside],
                              slots[inside], bs, receivable=~self.bm.cached_mask(blocks))
@@ -122,6 +156,7 @@ class ReclamationBackend:
         return ReclamationBackend(None, None).stats()
 
     def stats(self) -> Dict[str, float]:
-        return {"relocation_events": self.events, "relocated_tokens": self.tokens_moved,
+        return {"relocation_events": self.events, "pressure_relocations": self.pressure_events,
+                "relocated_tokens": self.tokens_moved,
                 "blocks_reclaimed": self.blocks_freed, "planner_time_s": self.planner_time,
                 "table_rewrite_time_s": self.rewrite_time}
