@@ -36,6 +36,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch==2.13.0", "transformers>=4.45", "safetensors", "gguf", "numpy",
                       "tqdm", "fastapi", "uvicorn", "prometheus_client", "accelerate"],
+    # --distributed-executor-backend ray; requirements-ray.txt pins the version tested
+    extras_require={"ray": ["ray>=2.60,<3"]},
     entry_points={"console_scripts": ["vllm=vllm.entrypoints.cli:main"]},
     cmdclass={"build_py": BuildPyWithKernelSources},
 )

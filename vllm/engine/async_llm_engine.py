@@ -176,6 +176,8 @@ class AsyncLLMEngine:
             return
         if self.is_running:
             return
+        if self._engine_released:             # its workers are gone: it cannot step again
+            raise self.dead_error
         if self._thread is not None:          # an ended loop first fails what it still holds
             self._thread.join()
         self._death, self._closed, self._stopping = None, False, False
@@ -388,8 +390,9 @@ class AsyncLLMEngine:
                 self._run_once()
             except Exception as e:   # the step (or its bookkeeping) failed: fail its requests
                 self.num_step_errors += 1
-                if not self._engine_healthy():
-                    raise            # e.g. WorkerFailed: the engine cannot step again
+                tb = e.__traceback__
+                if not self._engine_healthy():   # e.g. WorkerFailed: it cannot step again
+                    raise e.with_traceback(tb)   # (check_health may re-raise the same error)
                 logger.error("engine step failed; aborting %d requests", len(self._streams),
                              exc_info=e)
                 self._fail_all(EngineStepError(f"engine step failed: {e!r}"))

@@ -4,7 +4,8 @@ workers (one per rank) and carries each step's StepInput to every one of them:
     UniProcExecutor            one Worker in the engine's process (world size 1)
     MultiprocExecutor          --distributed-executor-backend mp: rank 0 in the engine's
                                process, one spawned process per other rank
-    (to come) RayDistributedExecutor, ray: one actor per rank, across nodes
+    RayDistributedExecutor     ray: rank 0 in the engine's process, one Ray actor per other
+                               rank, placed by a placement group (across nodes)
 
 The engine keeps the scheduler, token tables, policies and relocation plans; the executor gets
 plain values (StepInput) and returns plain values (StepOutput, with rank 0's logits and the
@@ -32,9 +33,11 @@ class ExecutorBase(ABC):
         if backend == "uni" and tp > 1:
             raise ValueError(f"--distributed-executor-backend uni runs one process: it cannot "
                              f"run --tensor-parallel-size {tp}; use mp (the default) or ray")
-        if backend == "ray":
-            raise ValueError("--distributed-executor-backend ray: the Ray executor is not "
-                             "implemented yet in this build; use mp (one node)")
+        if backend == "ray":     # Ray is an optional extra: without it, a ValueError now
+            from vllm.executor.ray_distributed_executor import (RayDistributedExecutor,
+                                                                import_ray)
+            import_ray()
+            return RayDistributedExecutor
         if backend == "mp":
             from vllm.executor.multiproc_executor import MultiprocExecutor
             return MultiprocExecutor

@@ -13,13 +13,17 @@ bound to its own cores. A rank that raises or dies ends the executor: its collec
 once (a dead peer closes its sockets), the worker's last words (its traceback, or its exit
 code) name the rank in the error, and the other workers are stopped. Nothing outlives the
 executor: shutdown() (also at garbage collection and interpreter exit) stops every worker.
+
+The part that does not depend on where ranks 1..N-1 live is shared with the Ray executor
+(ray_distributed_executor.py): serve_rank (a remote rank's loop) and TPDriverExecutor (rank 0,
+the guarded calls, the diagnosis and shutdown); the subclasses start, watch and stop the ranks.
 """
 import logging
 import multiprocessing
 import os
 import traceback
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -47,6 +51,21 @@ def rank_cores(rank: int, world_size: int, cores: List[int]) -> List[int]:
     return cores[rank * per:(rank + 1) * per]
 
 
+def serve_rank(config: VllmConfig, rank: int, tp: TPGroup) -> None:
+    """A rank other than 0, in its group: load its shard, then run rank 0's calls until
+    shutdown. The group is closed on the way out, an error's way too, so that rank 0's next
+    collective fails at once (a closed peer) instead of waiting out the group's timeout."""
+    try:
+        worker = Worker(config, rank, tp)
+        while True:
+            method, args = tp.broadcast_object()
+            if method == SHUTDOWN:
+                return
+            getattr(worker, method)(*args)
+    finally:
+        tp.shutdown()
+
+
 def worker_main(config: VllmConfig, rank: int, port: int, cores: List[int], conn) -> None:
     """A spawned rank: join the group, load its shard, then run rank 0's calls until shutdown.
     Any failure is reported on `conn` and ends the process (which fails rank 0's collective)."""
@@ -54,13 +73,8 @@ def worker_main(config: VllmConfig, rank: int, port: int, cores: List[int], conn
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
         n = config.parallel_config.tensor_parallel_size
-        tp = TPGroup(rank, n, port=port, device=rank_device(config.model_config.device, rank, n))
-        worker = Worker(config, rank, tp)
-        while True:
-            method, args = tp.broadcast_object()
-            if method == SHUTDOWN:
-                break
-            getattr(worker, method)(*args)
+        serve_rank(config, rank, TPGroup(rank, n, port=port,
+                                         device=rank_device(config.model_config.device, rank, n)))
     except BaseException as e:   # noqa: BLE001 -- reported, then the process ends
         try:
             conn.send(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -89,7 +103,13 @@ class WorkerFailed(RuntimeError):
     """A tensor-parallel rank raised or died; the executor cannot run further steps."""
 
 
-class MultiprocExecutor(ExecutorBase):
+class TPDriverExecutor(ExecutorBase):
+    """Rank 0 in the engine's process, ranks 1..N-1 elsewhere running serve_rank. A subclass
+    sets self.tp (rank 0's group, not yet connected) and self._finalizer (a weakref.finalize
+    that stops the other ranks), starts them, then sets
+    self.driver_worker = self._guard(self._start, config); and it answers three questions:
+    _failed_worker (which rank ended, why), _check_workers_alive, _join_workers."""
+
     def __init__(self, config: VllmConfig):
         super().__init__(config)
         n = config.parallel_config.tensor_parallel_size
@@ -97,30 +117,28 @@ class MultiprocExecutor(ExecutorBase):
             raise ValueError("--load-format simulate has no model to shard: use "
                              "--tensor-parallel-size 1")
         TPShards(config.model_config.hf_config, 0, n)    # indivisible heads: ValueError now
-        cores = sorted(os.sched_getaffinity(0))
+        self.cores = sorted(os.sched_getaffinity(0))
         self.threads_before = torch.get_num_threads()
-        torch.set_num_threads(len(rank_cores(0, n, cores)))
-        self.tp = TPGroup(0, n, device=rank_device(config.model_config.device, 0, n),
-                          connect=False)
-        ctx = multiprocessing.get_context("spawn")
-        self.procs: List[multiprocessing.Process] = []
-        self.conns = []
-        for rank in range(1, n):
-            ours, theirs = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=worker_main, name=f"vllm-tp-rank{rank}", daemon=True,
-                            args=(config, rank, self.tp.port, rank_cores(rank, n, cores),
-                                  theirs))
-            p.start()
-            theirs.close()
-            self.procs.append(p)
-            self.conns.append(ours)
-        self._finalizer = weakref.finalize(self, _kill, self.procs)
+        torch.set_num_threads(len(rank_cores(0, n, self.cores)))
         self.failure: Optional[WorkerFailed] = None
-        self.driver_worker = self._guard(self._start, config)
 
     def _start(self, config: VllmConfig) -> Worker:
-        self.tp.connect()
+        if self.tp.world_size > 1:     # a group of one has nothing to connect to
+            self.tp.connect()
         return Worker(config, 0, self.tp)
+
+    # ---- what a subclass answers about its ranks ------------------------------------------------
+    def _failed_worker(self) -> Optional[Tuple[int, str, str]]:
+        """(rank, why in one line, its report) of the rank 1..N-1 that failed, else None."""
+        raise NotImplementedError
+
+    def _check_workers_alive(self) -> None:
+        """Raises if a rank 1..N-1 has ended (it never ends before shutdown)."""
+        raise NotImplementedError
+
+    def _join_workers(self) -> None:
+        """Wait (a bounded time) for ranks 1..N-1 to end after the shutdown call."""
+        raise NotImplementedError
 
     # ---- every call: broadcast, then run on rank 0 ----------------------------------------------
     def _call(self, method: str, *args):
@@ -142,15 +160,12 @@ class MultiprocExecutor(ExecutorBase):
 
     def _diagnose(self, error: BaseException) -> WorkerFailed:
         """Which rank failed and why: a worker's report, its exit, or rank 0's own error."""
-        for p in self.procs:
-            p.join(JOIN_TIMEOUT_S if not p.is_alive() else 0.5)
-        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            report = _last_words(conn)
-            if report is not None or not p.is_alive():
-                why = report.splitlines()[0] if report else f"exit code {p.exitcode}"
-                logger.error("tensor-parallel rank %d failed:\n%s", rank, report or why)
-                return WorkerFailed(f"tensor-parallel worker rank {rank} failed ({why}); "
-                                    f"the engine cannot continue")
+        found = self._failed_worker()
+        if found is not None:
+            rank, why, report = found
+            logger.error("tensor-parallel rank %d failed:\n%s", rank, report or why)
+            return WorkerFailed(f"tensor-parallel worker rank {rank} failed ({why}); "
+                                f"the engine cannot continue")
         return WorkerFailed(f"tensor-parallel rank 0 failed ({type(error).__name__}: {error}); "
                             f"the engine cannot continue")
 
@@ -191,19 +206,55 @@ class MultiprocExecutor(ExecutorBase):
         """Raises WorkerFailed once a worker has failed or exited (also while no step runs)."""
         self._guard(self._check_workers_alive)
 
-    def _check_workers_alive(self) -> None:
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel worker rank {rank} exited")
-
     def shutdown(self) -> None:
         if self.failure is None and self.tp.pg is not None:
             try:
                 self.tp.broadcast_object((SHUTDOWN, ()))
-                for p in self.procs:
-                    p.join(JOIN_TIMEOUT_S)
+                self._join_workers()
             except Exception:   # noqa: BLE001 -- a worker already gone: killed below
                 pass
         self._finalizer()
         self.tp.shutdown()
         torch.set_num_threads(self.threads_before)
+        self.failure = self.failure or WorkerFailed("the engine was shut down")
+
+
+class MultiprocExecutor(TPDriverExecutor):
+    def __init__(self, config: VllmConfig):
+        super().__init__(config)
+        n = config.parallel_config.tensor_parallel_size
+        self.tp = TPGroup(0, n, device=rank_device(config.model_config.device, 0, n),
+                          connect=False)
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: List[multiprocessing.Process] = []
+        self.conns = []
+        for rank in range(1, n):
+            ours, theirs = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=worker_main, name=f"vllm-tp-rank{rank}", daemon=True,
+                            args=(config, rank, self.tp.port, rank_cores(rank, n, self.cores),
+                                  theirs))
+            p.start()
+            theirs.close()
+            self.procs.append(p)
+            self.conns.append(ours)
+        self._finalizer = weakref.finalize(self, _kill, self.procs)
+        self.driver_worker = self._guard(self._start, config)
+
+    def _failed_worker(self) -> Optional[Tuple[int, str, str]]:
+        for p in self.procs:
+            p.join(JOIN_TIMEOUT_S if not p.is_alive() else 0.5)
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            report = _last_words(conn)
+            if report is not None or not p.is_alive():
+                why = report.splitlines()[0] if report else f"exit code {p.exitcode}"
+                return rank, why, report
+        return None
+
+    def _check_workers_alive(self) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited")
+
+    def _join_workers(self) -> None:
+        for p in self.procs:
+            p.join(JOIN_TIMEOUT_S)

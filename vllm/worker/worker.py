@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from vllm.config import VllmConfig
-from vllm.distributed.tp_group import TPGroup, rank_device
+from vllm.distributed.tp_group import TPGroup
 from vllm.model_executor.model_loader import DTYPES, get_model
 from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.model_runner import ModelRunner, profile_forward
@@ -53,7 +53,7 @@ class Worker:
         self.rank = rank
         self.tp = tp or TPGroup()
         mc = config.model_config
-        self.device = rank_device(mc.device, self.tp.rank, self.tp.world_size)
+        self.device = self.tp.device if self.tp.world_size > 1 else torch.device(mc.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.simulated = mc.load_format == "simulate"

@@ -5,12 +5,21 @@ Routes: /v1/models, /v1/completions, /v1/chat/completions (Bearer auth when --ap
 /invocations (SageMaker: routed by the body's shape), /health, /version, /load, /tokenize,
 /detokenize, /tokenizer_info (--enable-tokenizer-info-endpoint), /metrics. Every error is
 answered in OpenAI's shape.
+
+When the engine dies (e.g. a tensor-parallel worker failed: AsyncLLMEngine.died) every request
+in flight gets a 500 (an error event when streaming), new requests and /health get 500, and
+ENGINE_DEATH_GRACE_S later the server stops (the uvicorn.Server in app.state.server) and
+`vllm serve` exits with code 1, as upstream's server exits when its engine is dead
+(VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up). Stopping the server (SIGINT / SIGTERM) shuts
+the engine down, tensor-parallel workers included.
 """
 import argparse
+import asyncio
 import hmac
 import json
 import logging
 import os
+import sys
 from contextlib import asynccontextmanager
 from typing import List, Optional, Sequence, Union
 
@@ -25,7 +34,7 @@ from transformers import AutoTokenizer
 
 import vllm
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
 from vllm.entrypoints.openai.errors import OpenAIError
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -47,6 +56,12 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
            404: {"model": ErrorResponse}, 500: {"model": ErrorResponse}}
 # the routes a generation request takes (what --enable-server-load-tracking counts)
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+# after the engine dies the server goes on answering 500 (/health too) this long, so clients and
+# probes see why, then stops; the watchdog looks this often
+ENGINE_DEATH_GRACE_S = 2.0
+_WATCHDOG_INTERVAL_S = 0.2
+# upstream's uvicorn.main.STARTUP_FAILURE: the exit code of a server that never started
+_STARTUP_FAILURE = 3
 
 
 class BearerAuth:
@@ -108,6 +123,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(_, exc: RequestValidationError):
         return _validation_error(exc).response()
 
+    @app.exception_handler(EngineStepError)     # EngineDeadError too: the engine is dead
+    async def engine_error(_, exc: EngineStepError):
+        return OpenAIError(str(exc), status=500).response()
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):
         return OpenAIError(str(exc.detail), status=exc.status_code).response()
@@ -139,14 +158,19 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
     @asynccontextmanager
     async def lifespan(_):
         engine.start()
-        yield
-        if shutdown_engine:
-            engine.shutdown()
+        watchdog = asyncio.ensure_future(_stop_on_engine_death(app, engine))
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            if shutdown_engine:
+                engine.shutdown()
 
     app = FastAPI(title="vLLM (vToken fork) OpenAI-compatible API", version=vllm.__version__,
                   lifespan=lifespan)
     app.root_path = options.root_path      # set after: the constructor's argument is deprecated
     app.state.engine, app.state.metrics = engine, metrics
+    app.state.server = None       # the uvicorn.Server running the app: stopped if the engine dies
     app.state.server_load_metrics = 0
     _install_error_handlers(app)
     if options.enable_server_load_tracking:
@@ -156,9 +180,16 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
 
     @app.get("/health")
     async def health():
+        if engine.died:
+            raise OpenAIError(str(engine.dead_error), status=500)
         if not engine.is_running:
             raise OpenAIError("the engine loop is not running", status=503)
         return Response(status_code=200)
+
+    def check_engine() -> None:
+        """A dead (or stopped) engine: a 500 before any response begins, streamed or not."""
+        if engine.errored:
+            raise engine.dead_error
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
@@ -181,16 +212,19 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(request: CompletionRequest, raw_request: Request):
+        check_engine()
         return await completion.create(request, raw_request)
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        check_engine()
         return await chat.create(request, raw_request)
 
     @app.post("/invocations", responses=_ERRORS)
     async def invocations(raw_request: Request):
         """SageMaker's one route: a chat body (messages) goes to chat, else a completion body
         (prompt); the first request type that validates wins, as upstream."""
+        check_engine()
         try:
             body = await raw_request.json()
         except ValueError as e:
@@ -231,6 +265,23 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
             return JSONResponse(tokenizer_config(tokenizer, chat.chat_template))
 
     return app
+
+
+async def _stop_on_engine_death(app: FastAPI, engine: AsyncLLMEngine) -> None:
+    """Once the engine has died, stop the server (ENGINE_DEATH_GRACE_S later)."""
+    while not engine.died:
+        await asyncio.sleep(_WATCHDOG_INTERVAL_S)
+    if os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0"):
+        logger.error("%s; VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set: the server stays up and "
+                     "answers 500", engine.dead_error)
+        return
+    server = app.state.server
+    if server is None:
+        logger.error("%s; the server answers 500 from now on", engine.dead_error)
+        return
+    logger.error("%s; the server stops in %.0f s", engine.dead_error, ENGINE_DEATH_GRACE_S)
+    await asyncio.sleep(ENGINE_DEATH_GRACE_S)
+    server.should_exit = True
 
 
 def tokenizer_config(tokenizer, chat_template: Optional[str]) -> dict:
@@ -332,12 +383,34 @@ def run_server(args: argparse.Namespace) -> None:
     if args.uds:
         logger.info("OpenAI-compatible API on unix socket %s (model %s)", args.uds,
                     served_names(args)[0])
-        uvicorn.run(app, uds=args.uds, log_level=args.uvicorn_log_level, timeout_keep_alive=5)
-        return
-    logger.info("OpenAI-compatible API at http://%s:%d%s/v1 (model %s)", args.host, args.port,
-                options.root_path, served_names(args)[0])
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_keep_alive=5)
+        where = dict(uds=args.uds)
+    else:
+        logger.info("OpenAI-compatible API at http://%s:%d%s/v1 (model %s)", args.host,
+                    args.port, options.root_path, served_names(args)[0])
+        where = dict(host=args.host, port=args.port)
+    serve_app(app, engine, log_level=args.uvicorn_log_level, **where)
+
+
+def serve_app(app: FastAPI, engine: AsyncLLMEngine, **uvicorn_kwargs) -> None:
+    """uvicorn.run(app), with the server in app.state.server (the app stops it when the engine
+    dies); exits with code 1 if the engine died. SIGINT / SIGTERM stop the server, and its
+    lifespan shuts the engine down."""
+    uvicorn_kwargs.setdefault("timeout_keep_alive", 5)
+    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_kwargs))
+    app.state.server = server
+    try:
+        server.run()
+    except KeyboardInterrupt:     # SIGINT, re-raised by uvicorn after its graceful shutdown
+        pass
+    finally:
+        uds = uvicorn_kwargs.get("uds")
+        if uds and os.path.exists(uds):
+            os.remove(uds)
+    if engine.died:
+        logger.error("exiting: %s", engine.dead_error)
+        sys.exit(1)
+    if not server.started:
+        sys.exit(_STARTUP_FAILURE)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
