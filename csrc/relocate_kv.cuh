@@ -1,4 +1,7 @@
 // vToken KV relocation: a torch-free C ABI (the torch binding lives in relocate_binding.cpp).
+// build_relocate_lib.sh also builds relocate_kv.cu alone into a plain shared library exporting
+// exactly these functions (the CUDA runtime linked in statically), which vllm/cuda_kernels.py
+// loads with ctypes where no compiler exists.
 //
 // The KV cache of all layers, as bytes:
 //
@@ -27,6 +30,11 @@ int vtoken_relocate_kv(void* kv, int64_t num_layers, int64_t num_slots,
 
 // The access width (16, 8, 4, 2 or 1 bytes) the launcher picks for this layout.
 int vtoken_relocate_vector_bytes(const void* kv, int64_t layer_stride_bytes, int64_t row_bytes);
+
+// The name and description of an error code returned above ("cudaErrorNoKernelImageForDevice:
+// no kernel image is available for execution on the device"), in a per-thread buffer that the
+// next call on the same thread overwrites.
+const char* vtoken_relocate_error_string(int error);
 
 #ifdef __cplusplus
 }

@@ -1,8 +1,9 @@
 """One dispatch point for kernels: CUDA op, Triton kernel or torch fallback.
 
     op                 CUDA tensors (auto)                          CPU tensors (auto)
-    relocate_kv        CUDA op (built on first use), else Triton,    torch index_copy_
-                       else torch
+    relocate_kv        CUDA kernel (the prebuilt library, else the    torch index_copy_
+                       op built on first use: vllm/cuda_kernels.py),
+                       else Triton, else torch
     write_kv           Triton (masked store: no host sync)           torch indexing
     decode_attention   Triton                                        C kernel (float32, head_dim a
                                                                     multiple of 16, when built:
@@ -49,7 +50,7 @@ def forced_backend(backend: Optional[str]):
 
 @functools.lru_cache(maxsize=None)
 def _available(backend: str) -> bool:
-    if backend == "cuda":   # the relocation op, JIT-built on first use (vllm/cuda_kernels.py)
+    if backend == "cuda":   # the relocation kernel: prebuilt library or JIT (vllm/cuda_kernels.py)
         from vllm import cuda_kernels
         return cuda_kernels.load_relocate_op()
     if backend == "cpu":
@@ -95,7 +96,8 @@ def relocate_kv(kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
         return
     which = _pick(backend, kv_caches.is_cuda, ("cuda", "triton", "torch"))
     if which == "cuda":
-        torch.ops.vtoken.relocate_kv(kv_caches, src, dst)
+        from vllm import cuda_kernels
+        cuda_kernels.relocate_kv(kv_caches, src, dst)
     elif which == "triton":
         from vllm.attention.triton_relocate import relocate_kv as triton_relocate
         triton_relocate(kv_caches, src, dst)
