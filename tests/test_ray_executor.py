@@ -24,7 +24,7 @@ from tests.test_tensor_parallel import GREEDY, PROMPTS, run  # noqa: E402
 from vllm import LLM  # noqa: E402
 from vllm.config import ParallelConfig  # noqa: E402
 from vllm.executor.executor_base import ExecutorBase  # noqa: E402
-from vllm.executor.multiproc_executor import WorkerFailed  # noqa: E402
+from vllm.executor.tp_driver_executor import WorkerFailed  # noqa: E402
 from vllm.executor import ray_distributed_executor  # noqa: E402
 from vllm.executor.ray_distributed_executor import RayDistributedExecutor  # noqa: E402
 

@@ -12,12 +12,13 @@ import multiprocessing
 import os
 import signal
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 import pytest
 
 from vllm import LLM, SamplingParams
-from vllm.executor.multiproc_executor import MultiprocExecutor, WorkerFailed, rank_cores
+from vllm.executor.multiproc_executor import MultiprocExecutor
+from vllm.executor.tp_driver_executor import WorkerFailed, rank_cores
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 SHARED = [(5 * i + 7) % 500 + 3 for i in range(20)]          # a shared prefix: cache hits

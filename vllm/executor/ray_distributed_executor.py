@@ -39,7 +39,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.distributed.tp_group import TPGroup
-from vllm.executor.multiproc_executor import JOIN_TIMEOUT_S, TPDriverExecutor, rank_cores, \
+from vllm.executor.tp_driver_executor import JOIN_TIMEOUT_S, TPDriverExecutor, rank_cores, \
     serve_rank
 
 logger = logging.getLogger(__name__)
