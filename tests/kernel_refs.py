@@ -62,14 +62,109 @@ def prefill_reference(q, k, v, mask, scale):
     return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
 
 
+# ---- Triton kernels compiled for a CUDA target without a GPU (Triton ships ptxas) ---------------
+# Run these in a process without TRITON_INTERPRET (an interpreted @triton.jit cannot compile).
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# integer arguments that are multiples of 16 at the engine's shapes (head_dim 64/128): the JIT
+# specializes them (tt.divisibility 16), and so do these compiles; slot/mass row strides are
+# max_model_len, which may be anything, and are left unspecialized
+ALIGNED_INTS = ("stride_qb", "stride_qh", "stride_slot", "stride_kv", "stride_head", "stride_ob",
+                "stride_oh")
+
+
+def kernel_signature(fn, dtype: str, constexprs: dict):
+    """(signature, attrs) of a decode-path kernel as decode_attention launches it: q/kv/out in
+    `dtype`, int64 slots and lens, other pointers fp32, 16-byte aligned pointers and strides."""
+    types = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+             "slots_ptr": "*i64", "lens_ptr": "*i64", "scale": "fp32"}
+    sig, attrs = {}, {}
+    for i, a in enumerate(fn.arg_names):
+        if a in constexprs:
+            sig[a] = "constexpr"
+            continue
+        sig[a] = types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
+        if a.endswith("_ptr") or a in ALIGNED_INTS:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def decode_kernel_specs(dtype: str, d: int, g: int) -> dict:
+    """{name: (fn, constexprs, num_warps)}: every decode-path kernel with the block sizes and
+    warps decode_attention picks for head_dim d, g query heads per KV head and this dtype."""
+    import torch
+
+    from vllm.attention import triton_decode as td
+    cfg = td._config(g, d, getattr(torch, DTYPES[dtype]))
+    tile = dict(G=g, D=d, BLOCK_G=cfg.block_g, BLOCK_D=cfg.block_d)
+    return {
+        "decode": (td._decode_kernel, {**tile, "BLOCK_N": cfg.block_n, "WANT_STATS": False},
+                   cfg.num_warps),
+        "decode_stats": (td._decode_kernel, {**tile, "BLOCK_N": cfg.block_n, "WANT_STATS": True},
+                         cfg.num_warps),
+        "split": (td._split_kernel, {**tile, "BLOCK_N": cfg.block_n}, cfg.num_warps),
+        "reduce": (td._reduce_kernel, dict(D=d, BLOCK_S=td.REDUCE_CHUNK, BLOCK_D=cfg.block_d,
+                                           WANT_STATS=True), cfg.num_warps),
+        "mass": (td._mass_kernel, {**tile, "BLOCK_N": cfg.mass_block_n}, cfg.num_warps),
+    }
+
+
+def compile_kernel(fn, dtype: str, constexprs: dict, num_warps: int, capability: int = 90):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig, attrs = kernel_signature(fn, dtype, constexprs)
+    return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", capability, 32),
+                          options=dict(num_warps=num_warps))
+
+
+def _cuobjdump(cubin: bytes, *args: str) -> str:
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, *args, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def resource_usage(kernel) -> dict:
+    """Registers, spill bytes (the local stack frame: what n_spills reports on a GPU) and
+    tensor-core instructions of a compiled kernel, read from its cubin and PTX."""
+    import re
+    usage = _cuobjdump(kernel.asm["cubin"], "--dump-resource-usage")
+    field = lambda name: int(re.search(name + r":(\d+)", usage).group(1))
+    sass = _cuobjdump(kernel.asm["cubin"], "-sass")
+    ptx = kernel.asm["ptx"]
+    return {"regs": field("REG"), "spill_bytes": field("STACK") + field("LOCAL"),
+            "shared": kernel.metadata.shared,
+            "mma_ptx": "mma.sync" in ptx or "wgmma" in ptx,
+            "mma_sass": "HMMA" in sass or "HGMMA" in sass}
+
+
+def compile_decode_kernels(cases, capability: int = 90) -> dict:
+    """cases: (dtype, head_dim, g, kernel name) -> {"dtype/d/g/name": resource_usage}."""
+    out = {}
+    for dtype, d, g, name in cases:
+        fn, consts, warps = decode_kernel_specs(dtype, d, g)[name]
+        out[f"{dtype}/{d}/{g}/{name}"] = resource_usage(
+            compile_kernel(fn, dtype, consts, warps, capability))
+    return out
+
+
 def compile_kernels(capability: int) -> dict:
-    """Compile the Triton kernels for a CUDA target without a GPU (Triton ships ptxas); run in a
-    process without TRITON_INTERPRET. Returns {kernel: cubin bytes}."""
+    """Compile the Triton kernels for a CUDA target without a GPU. Returns {kernel: cubin
+    bytes}."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm.attention import triton_decode, triton_relocate, triton_write_kv
+    from vllm.attention import triton_relocate, triton_write_kv
     target = GPUTarget("cuda", capability, 32)
     sizes = {}
     reloc = {"kv_ptr": "*i32", "src_ptr": "*i64", "dst_ptr": "*i64", "num_layers": "i32",
@@ -78,38 +173,22 @@ def compile_kernels(capability: int) -> dict:
                                       constexprs={"ROW": 1024, "BLOCK": 1024}), target=target)
     sizes["relocate"] = len(kernel.asm["cubin"])
     for dtype, mass in (("fp16", True), ("fp32", False)):
-        sig = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "slots_ptr": "*i64",
-               "lens_ptr": "*i64", "out_ptr": f"*{dtype}", "mass_ptr": "*fp32", "scale": "fp32"}
-        sig.update({f"stride_{n}": "i32" for n in ("qb", "qh", "sb", "slot", "kv", "head", "mb",
-                                                    "mh")})
-        consts = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=32, BLOCK_D=128, WANT_MASS=mass)
-        sig.update({c: "constexpr" for c in consts})
-        kernel = triton.compile(ASTSource(triton_decode._decode_kernel, sig, constexprs=consts),
-                                target=target)
-        sizes[f"decode_{dtype}_mass{int(mass)}"] = len(kernel.asm["cubin"])
-    # split-K decode (what CUDA graph buckets, with their full-width views, run) and the KV
-    # write, in bf16 (the engine's dtype on CUDA)
-    ptrs = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "slots_ptr": "*i64", "lens_ptr": "*i64"}
-    strides = {f"stride_{n}": "i32" for n in ("qb", "qh", "sb", "slot", "kv", "head")}
-    tiles = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=32, BLOCK_D=128)
-    split = {**ptrs, "ml_ptr": "*fp32", "acc_ptr": "*fp32", "scale": "fp32", "min_tiles": "i32",
-             **strides}
-    mass_sig = {**ptrs, "stats_ptr": "*fp32", "part_ptr": "*fp32", "scale": "fp32",
-                "min_tiles": "i32", **strides, "stride_pb": "i32", "stride_ph": "i32"}
-    reduce = {"ml_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "stats_ptr": "*fp32",
-              "num_splits": "i32", "stride_ob": "i32", "stride_oh": "i32"}
+        fn, consts, warps = decode_kernel_specs(dtype, 128, 4)["decode_stats" if mass
+                                                               else "decode"]
+        sizes[f"decode_{dtype}_mass{int(mass)}"] = len(
+            compile_kernel(fn, dtype, consts, warps, capability).asm["cubin"])
+    # split-K decode and the mass pass (what CUDA graph buckets with long views run), in bf16
+    # (the engine's dtype on CUDA)
+    for name, (fn, consts, warps) in decode_kernel_specs("bf16", 128, 4).items():
+        if name in ("split", "reduce", "mass"):
+            sizes[name] = len(compile_kernel(fn, "bf16", consts, warps, capability).asm["cubin"])
     write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
              **{f"stride_{n}": "i32" for n in ("kt", "kh", "vt", "vh", "slot", "kv", "head")}}
-    for name, fn, sig, consts in (
-            ("split", triton_decode._split_kernel, split, tiles),
-            ("reduce", triton_decode._reduce_kernel, reduce,
-             dict(D=128, BLOCK_S=32, BLOCK_D=128, WANT_STATS=True)),
-            ("mass", triton_decode._mass_kernel, mass_sig, tiles),
-            ("write_kv", triton_write_kv._write_kv_kernel, write,
-             dict(KVH=8, D=128, BLOCK_H=8, BLOCK_D=128))):
-        kernel = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}},
-                                          constexprs=consts), target=target)
-        sizes[name] = len(kernel.asm["cubin"])
+    consts = dict(KVH=8, D=128, BLOCK_H=8, BLOCK_D=128)
+    kernel = triton.compile(ASTSource(triton_write_kv._write_kv_kernel,
+                                      {**write, **{c: "constexpr" for c in consts}},
+                                      constexprs=consts), target=target)
+    sizes["write_kv"] = len(kernel.asm["cubin"])
     return sizes
 
 

@@ -1,16 +1,25 @@
 """Triton decode attention over the paged KV cache, read through each request's slot list.
 
-Each program serves one KV head kh of request b and its G = H / KVH query heads together:
+Each attention program serves one KV head kh of request b and its G = H / KVH query heads:
 
-    q        [B, H, D]                   scale folded in before the dot products
+    q        [B, H, D]                   out [B, H, D] in q's dtype
     slots    [B, Lmax]  slots[b, :lens[b]] is b's attention view (live slots, logical order);
                         entries past lens[b], and negative slots, are padding and never read
     kv_cache [S, 2, KVH, D]              K = kv_cache[slot, 0, kh], V = kv_cache[slot, 1, kh]
-    out      [B, H, D]                   q's dtype
-    mass     [B, Lmax]  optional: += attention probability of each key summed over all heads
+    mass     [B, >= Lmax] optional: += attention probability of each key summed over all heads
 
-One split (grid (B, KVH), `_decode_kernel`): an online softmax; with mass, a first pass finds
-each head's max and normalizer and a second pass emits final p = exp(s - m) / l and out.
+Dot products: bf16/fp16 caches run both dots (q K^T and p V) on tensor cores (mma) with fp32
+accumulation, p cast to the cache dtype; an fp32 cache keeps exact fp32 FMA dots
+(input_precision "ieee", no tf32), which the float64 interpreter tests and the fp32 runs
+compared token for token against transformers rely on. Softmax statistics are always fp32.
+The query-head block is G rounded up to a power of two, nothing more: the pinned Triton's
+tl.dot takes M < 16 on tensor cores (its NVIDIA min_dot_size is M, N >= 1, K >= 16; the
+m16n8k16 instruction pads the rows itself), so the softmax, q and acc hold only the group's
+rows. Block sizes and warps come from `_config` (shapes only); no kernel spills at head_dim
+64/128 and 1/4/8 query heads per KV head, bf16 or fp32 (tests/test_triton_sm90.py compiles
+them for sm_90 as the JIT specializes them, and checks).
+
+One split (grid (B, KVH), `_decode_kernel`): an online softmax over the row's keys.
 
 Split-K (flash decoding; grid (B, KVH, splits)) for long views and small batches, where (B, KVH)
 alone would leave most SMs idle. Split i of row b covers max(ceil(tiles_b / splits), min_tiles)
@@ -22,22 +31,32 @@ whole BLOCK_N tiles of b's own length (min_tiles: MIN_TILES, or 1 when num_split
 
   1. `_split_kernel`   per split: partial max m, sum l, unnormalized acc -> fp32 scratch
                        ml [B, H, splits, 2], acc [B, H, splits, D] (H = KVH x G, kh-major)
-  2. `_reduce_kernel`  per (b, h): rescale splits to the global max, out = sum acc / sum l;
-                       with mass also the global (m, l) of each head -> stats [B, H, 2]
-  3. `_mass_kernel`    only with mass: per split, K only, p = exp(s - m) / l summed over kh's
-                       heads -> part [B, KVH, Lmax]; then mass[:, :Lmax] += part.sum(1).
-                       A plain store and a sum, not atomics: the result does not depend on
-                       scheduling, so eager and graph replays evict the same tokens.
+  2. `_reduce_kernel`  per (b, h): rescale splits to the global max, out = sum acc / sum l,
+                       over the splits in chunks of REDUCE_CHUNK (registers do not grow with
+                       the split count); with mass also each head's global (m, l) -> stats
 
-The number of splits depends on shapes only (B, KVH, Lmax = slots.shape[1], the SM count) and
-each split's range is computed on the device from lens, so nothing syncs with the host and
-CUDA graphs replay with any lens. Rows shorter than Lmax leave their last splits empty.
-Everything is computed in fp32 (inputs loaded in their dtype, cast before tl.dot; ieee
-precision, no tf32). On CPU it runs under TRITON_INTERPRET=1 (set before triton is imported);
-tests only.
+With mass, the attention kernels also leave each head's (m, l) in stats [B, H, 2], then
+
+  3. `_mass_kernel`    grid (B, mass splits): K only, p = exp(s - m) / l summed over every head
+                       of every KV head, added to mass[b, key] for keys < lens[b] only: the
+                       grid's ranges and loops stop at each row's live length, so its cost does
+                       not grow with Lmax (the views' width, max_model_len in CUDA graphs). Each
+                       key has one owner program, which sums the heads in a fixed order: no
+                       atomics, the result does not depend on scheduling.
+
+Split counts (`num_splits_for`, through `decode_plan`) depend on shapes only: the batch
+rounded up to a power of two, KVH, the views' capacity (max(slots.stride(0), Lmax): the
+engine's views are row slices of InputBuffers.view_slots [max_seqs, max_model_len], in eager
+steps and CUDA graph buckets alike) and the SM count. Never lens, never the step's width:
+nothing syncs with the host, graphs replay with any lens, and an eager step and the graph
+bucket it would replay (the smallest capture size >= B, whose next power of two is B's) pick
+the same splits and block sizes, so their sums run in the same order. Rows shorter than the
+capacity leave their last splits empty (programs that exit at once).
+On CPU it runs under TRITON_INTERPRET=1 (set before triton is imported); tests only.
 """
 import functools
-from typing import Optional
+import os
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -46,57 +65,68 @@ import triton.language as tl
 MIN_TILES = 4          # BLOCK_N tiles per split at least, so a split's fixed costs stay small
 WAVES = 4              # programs per SM that the split heuristic aims for on CUDA
 CPU_PROGRAMS = 4       # the interpreter's target: ~1 ms per program instance
+REDUCE_CHUNK = 16      # splits the reduce kernel holds in registers at once
+# the interpreter's tl.dot multiplies bf16 operands' raw uint16 bits: upcast them there
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
-def _tile(q, kv_ptr, slots_row, n0, n_keys, kh, stride_slot, stride_kv, stride_head,
-          D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, LOAD_V: tl.constexpr):
-    """Scores [BLOCK_G, BLOCK_N] of keys n0.. (-inf for padding), their V [BLOCK_N, BLOCK_D]."""
+def _dot(a, b):
+    """a @ b, fp32 accumulator: tensor cores for 16-bit inputs, exact FMA for fp32."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    elif _INTERPRETED and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _load_q(q_ptr, kv_ptr, b, kh, stride_qb, stride_qh,
+            G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """kh's G query heads of request b in the cache's dtype [BLOCK_G, BLOCK_D]; rows past G 0."""
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    q_off = b * stride_qb + (kh * G + g[:, None]) * stride_qh + d[None, :]
+    q_mask = (g[:, None] < G) & (d[None, :] < D)
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(kv_ptr.dtype.element_ty)
+    return q, q_off, q_mask
+
+
+@triton.jit
+def _scores(q, kv_ptr, slots_row, n0, n_keys, kh, scale, stride_slot, stride_head,
+            D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Scaled fp32 scores [BLOCK_G, BLOCK_N] of keys n0.. (-inf for padding), and where their
+    K rows are (V rows are stride_kv further)."""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     slot = tl.load(slots_row + n, mask=n < n_keys, other=-1).to(tl.int64)
     valid = (n < n_keys) & (slot >= 0)
     rows = kv_ptr + slot[:, None] * stride_slot + kh * stride_head + d[None, :]
     mask = valid[:, None] & (d[None, :] < D)
-    k = tl.load(rows, mask=mask, other=0.0).to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    s = tl.where(valid[None, :], s, float("-inf"))
-    v = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    if LOAD_V:
-        v = tl.load(rows + stride_kv, mask=mask, other=0.0).to(tl.float32)
-    return s, v, n
+    k = tl.load(rows, mask=mask, other=0.0)
+    s = _dot(q, tl.trans(k)) * scale
+    return tl.where(valid[None, :], s, float("-inf")), rows, mask, n
 
 
 @triton.jit
-def _load_q(q_ptr, b, kh, stride_qb, stride_qh, scale,
-            G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """kh's G query heads of request b, scaled, fp32 [BLOCK_G, BLOCK_D]; rows past G are 0."""
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    q_off = b * stride_qb + (kh * G + g[:, None]) * stride_qh + d[None, :]
-    q_mask = (g[:, None] < G) & (d[None, :] < D)
-    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(tl.float32) * scale
-    return q, q_off, q_mask
-
-
-@triton.jit
-def _softmax_pass(q, kv_ptr, slots_row, start, end, kh, stride_slot, stride_kv, stride_head,
-                  D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, WITH_V: tl.constexpr):
-    """Online softmax over keys [start, end): max m, sum l, unnormalized acc (if WITH_V)."""
+def _softmax_pass(q, kv_ptr, slots_row, start, end, kh, scale, stride_slot, stride_kv,
+                  stride_head, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """Online softmax over keys [start, end): max m, sum l (relative to m), unnormalized acc."""
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        s, v, n = _tile(q, kv_ptr, slots_row, n0, end, kh, stride_slot, stride_kv,
-                        stride_head, D, BLOCK_N, BLOCK_D, WITH_V)
+        s, rows, mask, n = _scores(q, kv_ptr, slots_row, n0, end, kh, scale, stride_slot,
+                                   stride_head, D, BLOCK_N, BLOCK_D)
+        v = tl.load(rows + stride_kv, mask=mask, other=0.0)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: exp(-inf - 0) = 0
         alpha = tl.exp(m - m_ref)
         p = tl.exp(s - m_ref[:, None])
         l = l * alpha + tl.sum(p, 1)
-        if WITH_V:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
         m = m_new
     return m, l, acc
 
@@ -111,32 +141,25 @@ def _split_range(n_keys, split, num_splits, min_tiles, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, out_ptr, mass_ptr, scale,
+def _decode_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, out_ptr, stats_ptr, scale,
                    stride_qb, stride_qh, stride_sb, stride_slot, stride_kv, stride_head,
-                   stride_mb, stride_mh,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WANT_MASS: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WANT_STATS: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     n_keys = tl.load(lens_ptr + b).to(tl.int32)
-    slots_row = slots_ptr + b * stride_sb
-    q, q_off, q_mask = _load_q(q_ptr, b, kh, stride_qb, stride_qh, scale, G, D, BLOCK_G, BLOCK_D)
-    m, l, acc = _softmax_pass(q, kv_ptr, slots_row, 0, n_keys, kh, stride_slot, stride_kv,
-                              stride_head, D, BLOCK_G, BLOCK_N, BLOCK_D, not WANT_MASS)
-    m = tl.where(m == float("-inf"), 0.0, m)
+    q, q_off, q_mask = _load_q(q_ptr, kv_ptr, b, kh, stride_qb, stride_qh, G, D, BLOCK_G,
+                               BLOCK_D)
+    m, l, acc = _softmax_pass(q, kv_ptr, slots_ptr + b * stride_sb, 0, n_keys, kh, scale,
+                              stride_slot, stride_kv, stride_head, D, BLOCK_G, BLOCK_N, BLOCK_D)
+    m = tl.where(m == float("-inf"), 0.0, m)          # a row without keys: zeros, not NaN
     l = tl.where(l > 0, l, 1.0)
-    if WANT_MASS:   # second pass: final probabilities, their per-key sum over this kh's heads
-        g_real = (tl.arange(0, BLOCK_G) < G).to(tl.float32)
-        for n0 in range(0, n_keys, BLOCK_N):
-            s, v, n = _tile(q, kv_ptr, slots_row, n0, n_keys, kh, stride_slot, stride_kv,
-                            stride_head, D, BLOCK_N, BLOCK_D, True)
-            p = tl.exp(s - m[:, None]) / l[:, None]
-            acc += tl.dot(p, v, input_precision="ieee")
-            mass = tl.sum(p * g_real[:, None], 0)
-            tl.store(mass_ptr + b * stride_mb + kh * stride_mh + n, mass, mask=n < n_keys)
-    else:
-        acc = acc / l[:, None]
-    tl.store(out_ptr + q_off, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(out_ptr + q_off, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+    if WANT_STATS:
+        g = tl.arange(0, BLOCK_G)
+        head = (b * tl.num_programs(1) + kh) * G + g
+        tl.store(stats_ptr + head * 2, m, mask=g < G)
+        tl.store(stats_ptr + head * 2 + 1, l, mask=g < G)
 
 
 @triton.jit
@@ -150,9 +173,10 @@ def _split_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, ml_ptr, acc_ptr, scale, mi
     num_splits = tl.num_programs(2)
     n_keys = tl.load(lens_ptr + b).to(tl.int32)
     start, end = _split_range(n_keys, split, num_splits, min_tiles, BLOCK_N)
-    q, q_off, q_mask = _load_q(q_ptr, b, kh, stride_qb, stride_qh, scale, G, D, BLOCK_G, BLOCK_D)
-    m, l, acc = _softmax_pass(q, kv_ptr, slots_ptr + b * stride_sb, start, end, kh, stride_slot,
-                              stride_kv, stride_head, D, BLOCK_G, BLOCK_N, BLOCK_D, True)
+    q, q_off, q_mask = _load_q(q_ptr, kv_ptr, b, kh, stride_qb, stride_qh, G, D, BLOCK_G,
+                               BLOCK_D)
+    m, l, acc = _softmax_pass(q, kv_ptr, slots_ptr + b * stride_sb, start, end, kh, scale,
+                              stride_slot, stride_kv, stride_head, D, BLOCK_G, BLOCK_N, BLOCK_D)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     row = ((b * tl.num_programs(1) + kh) * G + g) * num_splits + split     # [B, H, splits]
@@ -165,22 +189,34 @@ def _split_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, ml_ptr, acc_ptr, scale, mi
 def _reduce_kernel(ml_ptr, acc_ptr, out_ptr, stats_ptr, num_splits, stride_ob, stride_oh,
                    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                    WANT_STATS: tl.constexpr):
+    """Chunks of BLOCK_S splits: the global max first (ml only), then the rescaled sums."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     head = b * tl.num_programs(1) + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    row = head * num_splits + s
-    m = tl.load(ml_ptr + row * 2, mask=s < num_splits, other=float("-inf"))
-    l = tl.load(ml_ptr + row * 2 + 1, mask=s < num_splits, other=0.0)
-    m_all = tl.max(m, 0)
+    base = head * num_splits
+    m_max = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        m = tl.load(ml_ptr + (base + s0 + s) * 2, mask=s0 + s < num_splits, other=float("-inf"))
+        m_max = tl.maximum(m_max, m)
+    m_all = tl.max(m_max, 0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)       # a row without keys
-    w = tl.exp(m - m_all)                                       # 0 for empty splits
-    l_all = tl.sum(w * l, 0)
+    l_sum = tl.zeros((BLOCK_S,), tl.float32)
+    acc = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        row = base + s0 + s
+        live = s0 + s < num_splits
+        m = tl.load(ml_ptr + row * 2, mask=live, other=float("-inf"))
+        l = tl.load(ml_ptr + row * 2 + 1, mask=live, other=0.0)
+        w = tl.exp(m - m_all)                                   # 0 for empty splits
+        l_sum += w * l
+        mask = (live & (l > 0))[:, None] & (d[None, :] < D)    # empty splits: no loads
+        acc += tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0) \
+            * w[:, None]
+    l_all = tl.sum(l_sum, 0)
     l_all = tl.where(l_all > 0, l_all, 1.0)
-    mask = (s[:, None] < num_splits) & (d[None, :] < D)
-    acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / l_all
+    out = tl.sum(acc, 0) / l_all
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < D)
     if WANT_STATS:
@@ -189,29 +225,49 @@ def _reduce_kernel(ml_ptr, acc_ptr, out_ptr, stats_ptr, num_splits, stride_ob, s
 
 
 @triton.jit
-def _mass_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, stats_ptr, part_ptr, scale, min_tiles,
-                 stride_qb, stride_qh, stride_sb, stride_slot, stride_kv, stride_head,
-                 stride_pb, stride_ph,
-                 G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+def _mass_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, stats_ptr, mass_ptr, scale, min_tiles,
+                 num_kv_heads, stride_qb, stride_qh, stride_sb, stride_slot, stride_head,
+                 stride_mb, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """mass[b, n] += sum over all heads of exp(s - m) / l, for the keys of this split only."""
     b = tl.program_id(0)
-    kh = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(1)
     n_keys = tl.load(lens_ptr + b).to(tl.int32)
-    start, end = _split_range(n_keys, split, tl.num_programs(2), min_tiles, BLOCK_N)
-    q, q_off, q_mask = _load_q(q_ptr, b, kh, stride_qb, stride_qh, scale, G, D, BLOCK_G, BLOCK_D)
+    start, end = _split_range(n_keys, split, tl.num_programs(1), min_tiles, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
-    head = (b * tl.num_programs(1) + kh) * G + g
-    m = tl.load(stats_ptr + head * 2, mask=g < G, other=0.0)
-    l = tl.load(stats_ptr + head * 2 + 1, mask=g < G, other=1.0)
-    g_real = (g < G).to(tl.float32)
     slots_row = slots_ptr + b * stride_sb
     for n0 in range(start, end, BLOCK_N):
-        s, v, n = _tile(q, kv_ptr, slots_row, n0, end, kh, stride_slot, stride_kv, stride_head,
-                        D, BLOCK_N, BLOCK_D, False)
-        p = tl.exp(s - m[:, None]) / l[:, None]
-        mass = tl.sum(p * g_real[:, None], 0)
-        tl.store(part_ptr + b * stride_pb + kh * stride_ph + n, mass, mask=n < end)
+        total = tl.zeros((BLOCK_N,), tl.float32)
+        for kh in range(0, num_kv_heads):
+            q, q_off, q_mask = _load_q(q_ptr, kv_ptr, b, kh, stride_qb, stride_qh, G, D,
+                                       BLOCK_G, BLOCK_D)
+            head = (b * num_kv_heads + kh) * G + g
+            m = tl.load(stats_ptr + head * 2, mask=g < G, other=0.0)
+            l = tl.load(stats_ptr + head * 2 + 1, mask=g < G, other=1.0)
+            s, rows, mask, n = _scores(q, kv_ptr, slots_row, n0, end, kh, scale, stride_slot,
+                                       stride_head, D, BLOCK_N, BLOCK_D)
+            p = tl.exp(s - m[:, None]) / l[:, None]
+            total += tl.sum(tl.where(g[:, None] < G, p, 0.0), 0)
+        n = n0 + tl.arange(0, BLOCK_N)
+        dst = mass_ptr + b * stride_mb + n
+        tl.store(dst, tl.load(dst, mask=n < end, other=0.0) + total, mask=n < end)
+
+
+class Config(NamedTuple):
+    """Compile-time shape of one decode call (see `_config`)."""
+    block_g: int
+    block_n: int
+    block_d: int
+    num_warps: int          # every decode-path kernel
+    mass_block_n: int
+
+
+def _config(g: int, d: int, dtype: torch.dtype) -> Config:
+    """Block sizes from shapes and dtype only (never lens or the step's width), chosen so that
+    no kernel spills at head_dim <= 128, G <= 8 on sm_90 (tests/test_triton_sm90.py)."""
+    block_g = triton.next_power_of_2(g)
+    block_d = max(16, triton.next_power_of_2(d))
+    return Config(block_g=block_g, block_n=32, block_d=block_d, num_warps=4, mass_block_n=32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,65 +275,82 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_splits_for(b: int, kvh: int, lmax: int, block_n: int, device: torch.device) -> int:
-    """Splits per (request, KV head): enough programs for WAVES per SM (CPU_PROGRAMS in the
-    interpreter), each over MIN_TILES tiles at least. Shapes only: no lens, no host sync.
+def num_splits_for(batch: int, kvh: int, capacity: int, block_n: int,
+                   device: torch.device) -> int:
+    """Splits per (request, KV head) -- the one selection, for eager steps and CUDA graphs alike:
+    enough programs for WAVES per SM (CPU_PROGRAMS in the interpreter), each over MIN_TILES
+    tiles at least. Shapes only: batch is rounded up to a power of two (a graph bucket, the
+    smallest capture size >= B, rounds to the same), capacity is the views' allocated width
+    (max_model_len in the engine), never the step's lens or width; no host sync.
 
-        H200 (132 SMs), B 1, KVH 8, Lmax 8192, BLOCK_N 32 -> min(528 // 8, 256 // 4) = 64
-        same at B 64 -> 1 (512 programs already)
+        H200 (132 SMs), batch 1, KVH 8, capacity 8192, BLOCK_N 32 -> min(528 // 8, 256 // 4) = 64
+        batch 5 or 8 (bucket 8), KVH 8 -> 528 // 64 = 8;  batch 64 -> 1 (512 programs already)
     """
     target = WAVES * _sm_count(device) if device.type == "cuda" else CPU_PROGRAMS
-    most = max(1, triton.cdiv(lmax, block_n) // MIN_TILES)
-    return max(1, min(most, target // (b * kvh)))
+    most = max(1, triton.cdiv(capacity, block_n) // MIN_TILES)
+    return max(1, min(most, target // (triton.next_power_of_2(max(batch, 1)) * kvh)))
+
+
+def views_capacity(slots: torch.Tensor) -> int:
+    """The width the views were allocated with: a row slice of a wider buffer keeps its row
+    stride (the engine's eager views are view_slots[:B, :step width], graphs' the full rows)."""
+    return max(slots.shape[1], slots.stride(0))
+
+
+class Plan(NamedTuple):
+    config: Config
+    splits: int             # attention splits per (request, KV head); 1: `_decode_kernel`
+    mass_splits: int        # mass programs per request
+    min_tiles: int
+
+
+def decode_plan(batch: int, heads: int, head_dim: int, kvh: int, slots: torch.Tensor,
+                dtype: torch.dtype, device: torch.device,
+                num_splits: Optional[int] = None) -> Plan:
+    """Everything decode_attention decides before launching, from shapes only: the same for an
+    eager step and the CUDA graph bucket it would replay (tests/test_triton_decode_split.py)."""
+    cfg = _config(heads // kvh, head_dim, dtype)
+    capacity = views_capacity(slots)
+    if num_splits:
+        return Plan(cfg, num_splits, num_splits, 1)
+    return Plan(cfg, num_splits_for(batch, kvh, capacity, cfg.block_n, device),
+                num_splits_for(batch, 1, capacity, cfg.mass_block_n, device), MIN_TILES)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                      lens: torch.Tensor, scale: float, mass: Optional[torch.Tensor] = None,
                      num_splits: Optional[int] = None) -> torch.Tensor:
-    """See the module docstring; `mass` (float32 [B, >= Lmax]) is accumulated in place.
-    num_splits forces the split count (tests), with splits as even as whole tiles allow."""
+    """See the module docstring; `mass` (float32 [B, >= Lmax], unit stride along keys) is
+    accumulated in place. num_splits forces the split count (tests), with splits as even as
+    whole tiles allow."""
     b, h, d = q.shape
     kvh = kv_cache.shape[2]
     assert h % kvh == 0 and kv_cache.stride(3) == 1 and q.stride(2) == 1
-    g = h // kvh
+    assert mass is None or (mass.dtype == torch.float32 and mass.stride(1) == 1)
     out = torch.empty_like(q)
-    lmax = slots.shape[1]
-    block_n = 16 if lmax <= 16 else 32
-    min_tiles = 1 if num_splits else MIN_TILES
-    splits = num_splits or num_splits_for(b, kvh, lmax, block_n, q.device)
-    # per-KV-head partial mass; zeros, because positions past a request's length are never written
-    part = torch.zeros(b, kvh, lmax, dtype=torch.float32, device=q.device) if mass is not None \
+    cfg, splits, mass_splits, min_tiles = decode_plan(b, h, d, kvh, slots, kv_cache.dtype,
+                                                      q.device, num_splits)
+    stats = torch.empty(b, h, 2, dtype=torch.float32, device=q.device) if mass is not None \
         else out   # unused placeholder pointer when no mass is wanted
-    consts = dict(G=g, D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
-                  BLOCK_D=max(16, triton.next_power_of_2(d)))
+    consts = dict(G=h // kvh, D=d, BLOCK_G=cfg.block_g, BLOCK_D=cfg.block_d)
     kv_strides = (slots.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2))
     if splits == 1:
         _decode_kernel[(b, kvh)](
-            q, kv_cache, slots, lens, out, part, scale, q.stride(0), q.stride(1), *kv_strides,
-            part.stride(0), part.stride(1) if mass is not None else 0,
-            WANT_MASS=mass is not None, **consts)
+            q, kv_cache, slots, lens, out, stats, scale, q.stride(0), q.stride(1), *kv_strides,
+            BLOCK_N=cfg.block_n, WANT_STATS=mass is not None, num_warps=cfg.num_warps, **consts)
     else:
-        _split_decode(q, kv_cache, slots, lens, scale, out, part if mass is not None else None,
-                      splits, min_tiles, kv_strides, consts)
+        ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
+        acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+        _split_kernel[(b, kvh, splits)](q, kv_cache, slots, lens, ml, acc, scale, min_tiles,
+                                        q.stride(0), q.stride(1), *kv_strides,
+                                        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **consts)
+        _reduce_kernel[(b, h)](ml, acc, out, stats, splits, out.stride(0), out.stride(1), D=d,
+                               BLOCK_S=REDUCE_CHUNK, BLOCK_D=cfg.block_d,
+                               WANT_STATS=mass is not None, num_warps=cfg.num_warps)
     if mass is not None:
-        mass[:, :lmax] += part.sum(1)
+        _mass_kernel[(b, mass_splits)](q, kv_cache, slots, lens, stats, mass, scale, min_tiles,
+                                       kvh, q.stride(0), q.stride(1), slots.stride(0),
+                                       kv_cache.stride(0), kv_cache.stride(2), mass.stride(0),
+                                       BLOCK_N=cfg.mass_block_n, num_warps=cfg.num_warps,
+                                       **consts)
     return out
-
-
-def _split_decode(q, kv_cache, slots, lens, scale, out, part, splits, min_tiles, kv_strides,
-                  consts):
-    b, h, d = q.shape
-    kvh = kv_cache.shape[2]
-    ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
-    acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
-    _split_kernel[(b, kvh, splits)](q, kv_cache, slots, lens, ml, acc, scale, min_tiles,
-                                    q.stride(0), q.stride(1), *kv_strides, **consts)
-    stats = torch.empty(b, h, 2, dtype=torch.float32, device=q.device) if part is not None \
-        else ml   # unused placeholder pointer when no mass is wanted
-    _reduce_kernel[(b, h)](ml, acc, out, stats, splits, out.stride(0), out.stride(1), D=d,
-                           BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=consts["BLOCK_D"],
-                           WANT_STATS=part is not None)
-    if part is not None:
-        _mass_kernel[(b, kvh, splits)](q, kv_cache, slots, lens, stats, part, scale, min_tiles,
-                                       q.stride(0), q.stride(1), *kv_strides, part.stride(0),
-                                       part.stride(1), **consts)

@@ -12,8 +12,8 @@ as padding, so rows B..G-1 are padding rows by construction:
     positions[:G]     0 past B                 view_lens[:G]     0 past B (attends to nothing)
     view_slots[:G, :] the full width max_view_len (= --max-model-len); -1 past each row's
                       length. The Triton decode kernel iterates to view_lens[b], so the unused
-                      width costs no loads (the mass variant's per-KV-head partial sums are
-                      zeroed and reduced over the full width, a cost that grows with it).
+                      width costs no loads (the mass kernel too stops at each row's length:
+                      nothing scales with the width).
     mass[:G, :]       float32, this runner's own; zeroed at the start of every replay
 
 Each bucket has up to two graphs, captured the first time a step needs them: without the
