@@ -1,0 +1,1 @@
+"""Tensor-parallel communication: TPGroup (tp_group.py)."""
