@@ -12,8 +12,8 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 # the kernel sources the package compiles at first use
-KERNEL_SOURCES = ["csrc/cpu/decode_kernels.c", "csrc/relocate_kv.cu", "csrc/relocate_kv.cuh",
-                  "csrc/relocate_binding.cpp"]
+KERNEL_SOURCES = ["csrc/cpu/decode_kernels.c", "csrc/cpu/quant_kernels.c", "csrc/relocate_kv.cu",
+                  "csrc/relocate_kv.cuh", "csrc/relocate_binding.cpp"]
 
 
 class BuildPyWithKernelSources(build_py):

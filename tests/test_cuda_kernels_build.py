@@ -122,8 +122,12 @@ def test_install_compiles_nothing_and_ships_the_sources(tmp_path):
                          cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     shipped = sorted(p.name for p in (out / "vllm" / "_csrc").iterdir())
-    assert shipped == ["decode_kernels.c", "relocate_binding.cpp", "relocate_kv.cu",
-                       "relocate_kv.cuh"]
+    assert shipped == ["decode_kernels.c", "quant_kernels.c", "relocate_binding.cpp",
+                       "relocate_kv.cu", "relocate_kv.cuh"]
+    # every package of the source tree is in the build (a folder without __init__.py is not)
+    sources = {p.parent.relative_to(ROOT) for p in (ROOT / "vllm").rglob("*.py")}
+    missing = [str(d) for d in sources if not (out / d).is_dir()]
+    assert not missing, f"not installed: {missing}"
     text = (ROOT / "setup.py").read_text()
     assert "ext_modules" not in text and "CUDAExtension" not in text
 

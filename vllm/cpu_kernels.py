@@ -25,6 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from vllm import envs
+from vllm.attention import kv_quant
 
 logger = logging.getLogger(__name__)
 
@@ -93,56 +94,60 @@ def active_isa() -> str:
     return forced
 
 
-def build_key(isa: str) -> str:
-    """Names one compiled library: the source, the variant and the CPU."""
-    key = SOURCE.read_bytes() + isa.encode() + _cpu_model().encode()
+def build_key(isa: str, source: Optional[Path] = None) -> str:
+    """Names one compiled library: the source (default SOURCE), the variant and the CPU."""
+    key = Path(source or SOURCE).read_bytes() + isa.encode() + _cpu_model().encode()
     return hashlib.sha256(key).hexdigest()[:16]
 
 
-def _build(isa: str) -> Path:
-    lib = envs.cache_root() / "cpu_kernels" / f"decode_kernels-{isa}-{build_key(isa)}.so"
+def _build(isa: str, source: Optional[Path] = None) -> Path:
+    source = Path(source or SOURCE)
+    lib = envs.cache_root() / "cpu_kernels" / f"{source.stem}-{isa}-{build_key(isa, source)}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         cc = os.environ.get("CC", "cc")
-        subprocess.run([cc, "-O3", *_CFLAGS[isa], "-fopenmp", "-fPIC", "-shared", str(SOURCE),
+        subprocess.run([cc, "-O3", *_CFLAGS[isa], "-fopenmp", "-fPIC", "-shared", str(source),
                         "-o", str(tmp), "-lm"], check=True, capture_output=True)
         tmp.replace(lib)            # atomic: concurrent builders never load a partial file
     return lib
 
 
 @functools.lru_cache(maxsize=None)
-def library(isa: str) -> Optional[ctypes.CDLL]:
-    """The kernels compiled for `isa` (which the caller checked this CPU runs), or None."""
-    if os.environ.get("VLLM_CPU_KERNELS", "1") == "0" or SOURCE is None:
+def library(isa: str, source: Optional[Path] = None) -> Optional[ctypes.CDLL]:
+    """The kernels compiled for `isa` (which the caller checked this CPU runs), or None.
+    `source`: another C file built the same way (its functions left for the caller to type)."""
+    if os.environ.get("VLLM_CPU_KERNELS", "1") == "0" or (source or SOURCE) is None:
         return None
     try:
-        lib = ctypes.CDLL(str(_build(isa)))
+        lib = ctypes.CDLL(str(_build(isa, source)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.info("CPU decode kernels (%s) unavailable (%s %s); using torch", isa, e,
                     detail[-500:])
         return None
+    if source is not None and Path(source) != SOURCE:
+        return lib
     lib.vtok_panel_width.restype = ctypes.c_int
     lib.vtok_isa.restype = ctypes.c_char_p
     lib.vtok_packed_gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int]
     lib.vtok_packed_gemm.restype = None
     lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                          _f32, _ptr, _i64, _ptr, _ptr, _i64]
+                                          _f32, _ptr, _i64, _ptr, _ptr, _i64, _int, _f32, _f32]
     lib.vtok_decode_attention.restype = None
     lib.vtok_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.vtok_argmax_rows.restype = None
     lib.vtok_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     lib.vtok_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.vtok_rope_write_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
-                                       _ptr]
+                                       _ptr, _int, _f32, _f32]
     layer = ctypes.POINTER(LayerWeights)
     lib.vtok_decode_layer_scratch.argtypes = [layer, _i64, _i64]
     lib.vtok_decode_layer_scratch.restype = _i64
     lib.vtok_decode_layer.argtypes = [layer, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
-                                      _i64, _ptr, _i64, _ptr, _int]
+                                      _i64, _ptr, _i64, _ptr, _int, _int, _f32, _f32]
     lib.vtok_decode_layers.argtypes = [layer, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
-                                       _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int]
+                                       _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int, _int, _ptr]
     assert lib.vtok_isa().decode() == isa
     return lib
 
@@ -212,11 +217,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
                      mass: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, D], kv_cache [S, 2, KVH, D], slots int64 [B, W] (the first lens[b] <= W of row b
     are its view; negative = padding) -> [B, H, D]. mass float32 [B, >= Lmax], if given,
-    += each key's attention probability summed over the H heads."""
+    += each key's attention probability summed over the H heads. kv_cache float32, or fp8
+    (e4m3fn / e5m2) read with its layer's scales (kv_quant.layer_scales)."""
     b, h, d = q.shape
     kvh = kv_cache.shape[2]
     q = q.contiguous()
-    assert q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+    fmt = kv_quant.FORMAT_CODES.get(kv_cache.dtype)
+    k_scale, v_scale = kv_quant.layer_scales(kv_cache)
+    assert q.dtype == torch.float32 and fmt is not None and kv_cache.is_contiguous()
     assert slots.dtype == torch.int64 and slots.stride(1) == 1
     lens = lens.contiguous()
     lmax = _width(slots)                            # every lens[b] <= the views' width
@@ -227,7 +235,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
     _library().vtok_decode_attention(
         q.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), slots.stride(0), lens.data_ptr(),
         b, h, kvh, d, scale, probs.data_ptr(), lmax, out.data_ptr(),
-        None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0))
+        None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
+        fmt, k_scale, v_scale)
     return out
 
 
@@ -261,16 +270,25 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
                   num_heads: int) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) D] -> rotated q [T, H, D]; rotated k and v written to kv_cache
-    [S, 2, KVH, D] at slot_mapping [T] (int64). cos, sin [T, D] at each token's position."""
+    [S, 2, KVH, D] at slot_mapping [T] (int64). cos, sin [T, D] at each token's position.
+    An fp8 cache stores them quantized with its layer's scales (set first from this write's
+    rotated K and V where --calculate-kv-scales has not calibrated the layer yet)."""
     t = qkv.shape[0]
     kvh, d = kv_cache.shape[2], kv_cache.shape[3]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     assert qkv.shape[1] == (num_heads + 2 * kvh) * d and kv_cache.is_contiguous()
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    fmt = kv_quant.FORMAT_CODES[kv_cache.dtype]
+    if kv_quant.needs_calibration(kv_cache):
+        k = qkv[:, num_heads * d:(num_heads + kvh) * d].view(t, kvh, d)
+        k1, k2 = k.chunk(2, dim=-1)
+        k = k * cos[:, None] + torch.cat((-k2, k1), dim=-1) * sin[:, None]
+        kv_quant.calibrate(kv_cache, k, qkv[:, (num_heads + kvh) * d:], slot_mapping)
+    k_scale, v_scale = kv_quant.layer_scales(kv_cache)
     q = torch.empty(t, num_heads, d, dtype=torch.float32)
     _library().vtok_rope_write_kv(qkv.data_ptr(), t, num_heads, kvh, d, cos.data_ptr(),
                                   sin.data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(),
-                                  q.data_ptr())
+                                  q.data_ptr(), fmt, k_scale, v_scale)
     return q
 
 
@@ -287,16 +305,19 @@ def decode_layers(layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin:
     x [M, hidden] (contiguous float32); layer i reads and writes kv_caches[i]. Each layer:
     RMSNorm, QKV, rotary + K/V write at slot_mapping, attention over views/lens (mass +=
     probabilities, if given), O + residual, RMSNorm, SiLU MLP + residual. `scratch` from
-    decode_scratch(); prefetch as in packed_gemm."""
+    decode_scratch(); prefetch as in packed_gemm. An fp8 kv_caches is read and written with
+    each layer's scales (kv_quant.scales_of)."""
     m, width = x.shape[0], _width(views)
     assert x.is_contiguous() and x.dtype == torch.float32 and views.stride(1) == 1
     assert kv_caches.is_contiguous() and len(kv_caches) == len(layers)
+    fmt = kv_quant.FORMAT_CODES[kv_caches.dtype]
+    scales = kv_quant.scales_of(kv_caches) if fmt else None
     _library().vtok_decode_layers(
         layers, len(layers), x.data_ptr(), m, cos.contiguous().data_ptr(),
         sin.contiguous().data_ptr(), slot_mapping.data_ptr(), kv_caches.data_ptr(),
         kv_caches.stride(0), views.data_ptr(), views.stride(0), lens.contiguous().data_ptr(),
         width, None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
-        scratch.data_ptr(), prefetch)
+        scratch.data_ptr(), prefetch, fmt, None if scales is None else scales.data_ptr())
     return x
 
 

@@ -262,6 +262,74 @@ void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed,
 static inline vec as_float(ivec v) { vec f; memcpy(&f, &v, sizeof f); return f; }
 static inline ivec as_bits(vec f) { ivec v; memcpy(&v, &f, sizeof v); return v; }
 
+/* ---- fp8 KV cache (--kv-cache-dtype, vllm/attention/kv_quant.py) ------------------------------
+   The cache holds float32 (KV_F32) or one byte per value: e4m3fn (bias 7, 3 mantissa bits, max
+   448) or e5m2 (bias 15, 2 mantissa bits, max 57344), stored = x * (1 / scale) per layer and K / V.
+   No x86 ISA here converts fp8: a byte's exponent and mantissa bits go to the bottom of a float's
+   exponent field and one multiply by 2^(127 - bias) rebiases it (subnormals included: the float
+   is then subnormal with the same mantissa, and the product exact). VEC bytes -> one vector:
+   a sign-extending load, a shift, an and, a multiply. The scales never
+   touch the data: the K scale folds into the score scale, the V scale into the output. */
+#define KV_F32 0
+#define KV_E4M3 1
+#define KV_E5M2 2
+typedef int8_t sbvec __attribute__((vector_size(VEC)));
+typedef uint32_t uvec __attribute__((vector_size(4 * VEC)));
+
+static inline vec fp8_load(const uint8_t *p, const int fmt) {
+  /* sign-extended bytes: bit 7 fills bits 8-31, so after the shift the float's sign bit is
+     already set and one and keeps it with the exponent / mantissa bits (vpmovsxbd, vpslld,
+     vpand, vmulps) */
+  sbvec b;
+  memcpy(&b, p, sizeof b);
+  uvec x = (uvec)__builtin_convertvector(b, ivec);
+  uvec bits = fmt == KV_E4M3 ? (x << 20) & 0x87f00000u : (x << 21) & 0x8fe00000u;
+  vec f;
+  memcpy(&f, &bits, sizeof f);
+  return f * (fmt == KV_E4M3 ? 0x1p120f : 0x1p112f);
+}
+
+/* VEC values at element i of a cache row that starts at byte pointer base */
+static inline __attribute__((always_inline)) vec kv_load(const char *base, int64_t i,
+                                                         const int fmt) {
+  if (fmt == KV_F32) return load((const float *)base + i);
+  return fp8_load((const uint8_t *)base + i, fmt);
+}
+
+/* one float -> fp8: x * inv, saturated to the largest finite value, rounded to nearest even
+   (torch's clamp-then-cast); NaN stays NaN */
+static inline uint8_t fp8_store(float x, float inv, const int fmt) {
+  const int mbits = fmt == KV_E4M3 ? 3 : 2, bias = fmt == KV_E4M3 ? 7 : 15;
+  const float top = fmt == KV_E4M3 ? 448.f : 57344.f;
+  x *= inv;
+  uint32_t b;
+  memcpy(&b, &x, sizeof b);
+  const uint8_t sign = (uint8_t)((b >> 24) & 0x80);
+  b &= 0x7fffffffu;
+  float a;
+  memcpy(&a, &b, sizeof a);
+  if (a != a) return sign | 0x7f;
+  if (a >= top) return sign | (fmt == KV_E4M3 ? 0x7e : 0x7b);
+  if (b < ((uint32_t)(128 - bias) << 23))       /* below the smallest normal: subnormal steps */
+    return sign | (uint8_t)rintf(a * (fmt == KV_E4M3 ? 512.f : 65536.f));
+  b += ((uint32_t)(bias - 127) << 23) + (1u << (22 - mbits)) - 1 + ((b >> (23 - mbits)) & 1);
+  return sign | (uint8_t)(b >> (23 - mbits));
+}
+
+static void fp8_store_row(const float *x, uint8_t *dst, int64_t n, float inv, const int fmt) {
+  for (int64_t i = 0; i < n; i++) dst[i] = fp8_store(x[i], inv, fmt);
+}
+
+/* x[0:n] -> a cache row of format fmt at dst (float32: a copy; inv unused) */
+static void kv_store_row(const float *x, char *dst, int64_t n, float inv, int fmt) {
+  if (fmt == KV_F32) memcpy(dst, x, n * sizeof(float));
+  else if (fmt == KV_E4M3) fp8_store_row(x, (uint8_t *)dst, n, inv, KV_E4M3);
+  else fp8_store_row(x, (uint8_t *)dst, n, inv, KV_E5M2);
+}
+
+/* the float32 reciprocal of a scale, as the torch path computes it */
+static inline float inverse(float scale) { return (float)(1.0 / (double)scale); }
+
 static inline vec vexp(vec x) {
   const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
   const float round_magic = 12582912.f;                    /* 1.5 * 2^23: adding it rounds */
@@ -361,52 +429,66 @@ static void softmax(float *p, int64_t n) {
    keys ahead into L2 rather than 16 into L1 keeps more of those misses in flight: the decode
    step at 1,024 keys took 0.91x the time on the AMD EPYC Zen 4 host (both builds, one row) and
    0.81x at 16 rows of 512 keys (avx512), with no change at 192 keys. */
-static inline void prefetch_row(const float *p, int64_t count) {
-  for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(p + i, 0, 2);
+static inline void prefetch_row(const char *p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
 /* out[g][0:vecs vectors] = sum_j p[g][j] * v_j[0:vecs vectors] for g < heads <= AV_HEADS,
    vecs <= AV_VECS; where heads and vecs are constants the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void weigh_values(
-    const float *kv, const int64_t *slot_row, int64_t n, int64_t row, int64_t offset,
-    const float *p, int64_t lmax, float *out, int64_t D, const int heads, const int vecs) {
+    const char *kv, const int64_t *slot_row, int64_t n, int64_t row, int64_t offset,
+    const float *p, int64_t lmax, float *out, int64_t D, const int heads, const int vecs,
+    const int fmt, float v_scale) {
+  const int64_t es = fmt == KV_F32 ? 4 : 1;                /* bytes per cached value */
   vec acc[AV_HEADS][AV_VECS];
   for (int g = 0; g < heads; g++)
     for (int v = 0; v < vecs; v++) acc[g][v] = splat(0.f);
   for (int64_t j = 0; j < n; j++) {
     if (j + PREFETCH_KEYS < n && slot_row[j + PREFETCH_KEYS] >= 0)
-      prefetch_row(kv + slot_row[j + PREFETCH_KEYS] * row + offset, vecs * VEC);
+      prefetch_row(kv + (slot_row[j + PREFETCH_KEYS] * row + offset) * es, vecs * VEC * es);
     if (slot_row[j] < 0) continue;
-    const float *val = kv + slot_row[j] * row + offset;
+    const char *val = kv + (slot_row[j] * row + offset) * es;
     vec vv[AV_VECS];
-    for (int v = 0; v < vecs; v++) vv[v] = load(val + VEC * v);
+    for (int v = 0; v < vecs; v++) vv[v] = kv_load(val, VEC * v, fmt);
     for (int g = 0; g < heads; g++) {
       vec w = splat(p[g * lmax + j]);
       for (int v = 0; v < vecs; v++) acc[g][v] += w * vv[v];
     }
   }
   for (int g = 0; g < heads; g++)
-    for (int v = 0; v < vecs; v++) store(out + g * D + VEC * v, acc[g][v]);
+    for (int v = 0; v < vecs; v++) store(out + g * D + VEC * v, acc[g][v] * v_scale);
 }
 
 #define WEIGH(h) case h: \
-  if (h <= AV_HEADS) weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, h, AV_VECS); \
+  if (h <= AV_HEADS) weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, h, AV_VECS, fmt, \
+                             v_scale); \
   break;
 
 /* One request b, one KV head kh: its G query heads against the request's n live keys.
-   Scores and probabilities go to probs[g * lmax + j]; D % 16 == 0. */
-static void attend_group(const float *q, const float *kv, const int64_t *slot_row, int64_t n,
-                         int64_t KVH, int64_t kh, int64_t G, int64_t D, float scale,
-                         float *probs, int64_t lmax, float *out) {
-  const int64_t row = 2 * KVH * D;                          /* floats per slot (K and V) */
+   Scores and probabilities go to probs[g * lmax + j]; D % 16 == 0. fp8 (fmt): a block's VEC
+   keys are converted once into kbuf (L1) and read by all G query heads from there; values are
+   converted in registers as they are weighed. */
+static inline __attribute__((always_inline)) void attend_group(
+    const float *q, const char *kv, const int64_t *slot_row, int64_t n, int64_t KVH, int64_t kh,
+    int64_t G, int64_t D, float scale, float *probs, int64_t lmax, float *out, const int fmt,
+    float v_scale) {
+  const int64_t row = 2 * KVH * D;                          /* values per slot (K and V) */
+  const int64_t es = fmt == KV_F32 ? 4 : 1;                 /* bytes per cached value */
+  float kbuf[fmt == KV_F32 ? 1 : VEC * D];
   for (int64_t j0 = 0; j0 < n; j0 += VEC) {
     int block = n - j0 < VEC ? (int)(n - j0) : VEC;
     for (int64_t j = j0 + PREFETCH_KEYS; j < j0 + PREFETCH_KEYS + VEC && j < n; j++)
-      if (slot_row[j] >= 0) prefetch_row(kv + slot_row[j] * row + kh * D, D);
+      if (slot_row[j] >= 0) prefetch_row(kv + (slot_row[j] * row + kh * D) * es, D * es);
     const float *key[VEC];
     for (int j = 0; j < VEC; j++) {  /* padding and lanes past the block read slot 0: unused */
       int64_t slot = j < block ? slot_row[j0 + j] : 0;
-      key[j] = kv + (slot < 0 ? 0 : slot) * row + kh * D;
+      const char *src = kv + ((slot < 0 ? 0 : slot) * row + kh * D) * es;
+      if (fmt == KV_F32) {
+        key[j] = (const float *)src;
+        continue;
+      }
+      for (int64_t d = 0; d < D; d += VEC) store(kbuf + j * D + d, kv_load(src, d, fmt));
+      key[j] = kbuf + j * D;
     }
     for (int64_t g = 0; g < G; g++)
       score_block(q + g * D, key, block, D, scale, probs + g * lmax + j0);
@@ -426,7 +508,8 @@ static void attend_group(const float *q, const float *kv, const int64_t *slot_ro
       const float *p = probs + g0 * lmax;
       float *o = out + g0 * D + d0;
       if (vecs != AV_VECS) {
-        weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, heads, vecs);
+        weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, heads, vecs, fmt,
+                     v_scale);
         continue;
       }
       switch (heads) {      /* cases past AV_HEADS are never reached */
@@ -438,18 +521,35 @@ static void attend_group(const float *q, const float *kv, const int64_t *slot_ro
 /* q [B, H, D] with D % 16 == 0; kv [S, 2, KVH, D], one layer (K = kv[slot, 0], V = kv[slot, 1]);
    slots [B, ld_slots]: row b's first lens[b] entries are its attention view, negative = padding;
    probs: scratch [B, H, round16(lmax)] with lmax >= every lens[b]; out [B, H, D];
-   mass [B, ld_mass] or NULL: += each key's attention probability summed over all H heads. */
-void vtok_decode_attention(const float *q, const float *kv, const int64_t *slots,
-                           int64_t ld_slots, const int64_t *lens, int64_t B, int64_t H,
-                           int64_t KVH, int64_t D, float scale, float *probs, int64_t lmax,
-                           float *out, float *mass, int64_t ld_mass) {
+   mass [B, ld_mass] or NULL: += each key's attention probability summed over all H heads.
+   fmt: the cache's format (KV_F32, KV_E4M3, KV_E5M2); k_scale, v_scale: its scales (fp8). */
+static inline __attribute__((always_inline)) void attend_all(
+    const float *q, const char *kv, const int64_t *slots, int64_t ld_slots, const int64_t *lens,
+    int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, float *probs, int64_t lmax,
+    float *out, const int fmt, float v_scale) {
   const int64_t G = H / KVH;
-  lmax = round16(lmax);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; b++)
     for (int64_t kh = 0; kh < KVH; kh++)
       attend_group(q + (b * H + kh * G) * D, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D,
-                   scale, probs + (b * KVH + kh) * G * lmax, lmax, out + (b * H + kh * G) * D);
+                   scale, probs + (b * KVH + kh) * G * lmax, lmax, out + (b * H + kh * G) * D,
+                   fmt, v_scale);
+}
+
+void vtok_decode_attention(const float *q, const void *kv, const int64_t *slots,
+                           int64_t ld_slots, const int64_t *lens, int64_t B, int64_t H,
+                           int64_t KVH, int64_t D, float scale, float *probs, int64_t lmax,
+                           float *out, float *mass, int64_t ld_mass, int fmt, float k_scale,
+                           float v_scale) {
+  lmax = round16(lmax);
+  if (fmt == KV_E4M3)
+    attend_all(q, kv, slots, ld_slots, lens, B, H, KVH, D, scale * k_scale, probs, lmax, out,
+               KV_E4M3, v_scale);
+  else if (fmt == KV_E5M2)
+    attend_all(q, kv, slots, ld_slots, lens, B, H, KVH, D, scale * k_scale, probs, lmax, out,
+               KV_E5M2, v_scale);
+  else
+    attend_all(q, kv, slots, ld_slots, lens, B, H, KVH, D, scale, probs, lmax, out, KV_F32, 1.f);
   if (!mass) return;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < B; b++)
@@ -529,19 +629,24 @@ void vtok_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
 /* Rotary embedding of this step's q and k, and the K/V cache write, in one pass:
    qkv [T, (H + 2 KVH) D] rows = [q heads | k heads | v heads]; cos, sin [T, D] for each token's
    position; x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]];
-   q_out [T, H, D]; kv [S, 2, KVH, D] gets rotated k and v at slot_mapping[t] (negative: none). */
+   q_out [T, H, D]; kv [S, 2, KVH, D] gets rotated k and v at slot_mapping[t] (negative: none),
+   in format fmt (fp8: stored = x * (1 / scale), K and V each with its own scale). */
 void vtok_rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t KVH, int64_t D,
                         const float *cos, const float *sin, const int64_t *slot_mapping,
-                        float *kv, float *q_out) {
+                        void *kv, float *q_out, int fmt, float k_scale, float v_scale) {
   const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+  const int64_t es = fmt == KV_F32 ? 4 : 1;
+  const float inv_k = inverse(k_scale), inv_v = inverse(v_scale);
 #pragma omp parallel for schedule(static) if (T > 64)
   for (int64_t t = 0; t < T; t++) {
     const float *row = qkv + t * width, *c = cos + t * D, *s = sin + t * D;
     const int64_t slot = slot_mapping[t];
-    float *k_dst = slot >= 0 ? kv + slot * 2 * KVH * D : NULL;
+    char *k_dst = slot >= 0 ? (char *)kv + slot * 2 * KVH * D * es : NULL;
+    float rotated[D];
     for (int64_t h = 0; h < H + KVH; h++) {        /* q heads, then k heads */
       const float *x = row + h * D;
-      float *dst = h < H ? q_out + (t * H + h) * D : k_dst ? k_dst + (h - H) * D : NULL;
+      float *dst = h < H ? q_out + (t * H + h) * D : !k_dst ? NULL
+                   : fmt == KV_F32 ? (float *)k_dst + (h - H) * D : rotated;
       if (!dst) continue;
       for (int64_t i = 0; i < half; i++) {
         float lo = x[i] * c[i] + (-x[i + half]) * s[i];
@@ -549,8 +654,9 @@ void vtok_rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t KVH, int
         dst[i] = lo;
         dst[i + half] = hi;
       }
+      if (dst == rotated) kv_store_row(rotated, k_dst + (h - H) * D, D, inv_k, fmt);
     }
-    if (k_dst) memcpy(k_dst + KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+    if (k_dst) kv_store_row(row + (H + KVH) * D, k_dst + KVH * D * es, KVH * D, inv_v, fmt);
   }
 }
 
@@ -571,20 +677,22 @@ int64_t vtok_decode_layer_scratch(const vtok_layer *L, int64_t M, int64_t lmax) 
 }
 
 /* x [M, hidden] <- the layer applied to x (residual stream, in place); this step's K/V written
-   at slot_mapping; attention over views/lens as vtok_decode_attention (mass may be NULL). */
+   at slot_mapping; attention over views/lens as vtok_decode_attention (mass may be NULL); the
+   cache in format fmt with scales k_scale, v_scale. */
 void vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos,
-                       const float *sin, const int64_t *slot_mapping, float *kv,
+                       const float *sin, const int64_t *slot_mapping, void *kv,
                        const int64_t *views, int64_t ld_views, const int64_t *lens, int64_t lmax,
-                       float *mass, int64_t ld_mass, float *scratch, int prefetch) {
+                       float *mass, int64_t ld_mass, float *scratch, int prefetch, int fmt,
+                       float k_scale, float v_scale) {
   const int64_t E = L->hidden, H = L->heads, KVH = L->kv_heads, D = L->head_dim;
   const int64_t I = L->intermediate, QKV = (H + 2 * KVH) * D, HD = H * D;
   float *h = scratch, *qkv = h + M * E, *q = qkv + M * QKV, *attn = q + M * HD;
   float *gate_up = attn + M * HD, *act = gate_up + M * 2 * I, *probs = act + M * I;
   vtok_rms_norm(x, M, E, L->ln1, L->eps, h);
   vtok_packed_gemm(h, M, E, L->qkv, QKV, L->qkv_bias, NULL, qkv, prefetch);
-  vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q);
+  vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q, fmt, k_scale, v_scale);
   vtok_decode_attention(q, kv, views, ld_views, lens, M, H, KVH, D, L->scale, probs, lmax, attn,
-                        mass, ld_mass);
+                        mass, ld_mass, fmt, k_scale, v_scale);
   vtok_packed_gemm(attn, M, HD, L->o, E, L->o_bias, x, x, prefetch);
   vtok_rms_norm(x, M, E, L->ln2, L->eps, h);
   vtok_packed_gemm(h, M, E, L->gate_up, 2 * I, NULL, NULL, gate_up, prefetch);
@@ -593,14 +701,19 @@ void vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *co
 }
 
 /* The whole decoder stack for one decode step: vtok_decode_layer for layers[0 .. n), layer i's
-   cache at kv + i * kv_layer_stride floats. One call per step (the caller's per-layer call
-   overhead, ~10 us each from Python, adds up over 30 layers). */
+   cache at kv + i * kv_layer_stride values (format fmt; fp8: layer i's K and V scales are
+   scales[2 i], scales[2 i + 1]). One call per step (the caller's per-layer call overhead,
+   ~10 us each from Python, adds up over 30 layers). */
 void vtok_decode_layers(const vtok_layer *layers, int64_t n, float *x, int64_t M,
                         const float *cos, const float *sin, const int64_t *slot_mapping,
-                        float *kv, int64_t kv_layer_stride, const int64_t *views,
+                        void *kv, int64_t kv_layer_stride, const int64_t *views,
                         int64_t ld_views, const int64_t *lens, int64_t lmax, float *mass,
-                        int64_t ld_mass, float *scratch, int prefetch) {
+                        int64_t ld_mass, float *scratch, int prefetch, int fmt,
+                        const float *scales) {
+  const int64_t es = fmt == KV_F32 ? 4 : 1;
   for (int64_t i = 0; i < n; i++)
-    vtok_decode_layer(layers + i, x, M, cos, sin, slot_mapping, kv + i * kv_layer_stride, views,
-                      ld_views, lens, lmax, mass, ld_mass, scratch, prefetch);
+    vtok_decode_layer(layers + i, x, M, cos, sin, slot_mapping,
+                      (char *)kv + i * kv_layer_stride * es, views, ld_views, lens, lmax, mass,
+                      ld_mass, scratch, prefetch, fmt, scales ? scales[2 * i] : 1.f,
+                      scales ? scales[2 * i + 1] : 1.f);
 }

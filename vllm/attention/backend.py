@@ -13,6 +13,10 @@ The KV cache of one layer is a flat array of slots:
     kv_cache[layer]   [num_slots, 2, num_kv_heads, head_dim]     slot = block * block_size + offset
                                  ^ 0 = K, 1 = V (one row holds both, so one gather reads both)
 
+An fp8 cache (--kv-cache-dtype fp8, CPU; vllm/attention/kv_quant.py) holds each value as one
+byte, x / scale per layer for K and for V: writes quantize, the C decode kernels dequantize in
+registers, the torch paths (prefill, decode fallback) dequantize what they gather.
+
 Attention never derives slots from positions: every request reads through its attention view,
 the live slots in logical order that the model runner built from the token table. All metadata
 lives on the cache's device.
@@ -24,6 +28,7 @@ from typing import List, Optional
 import torch
 
 from vllm import _custom_ops as ops
+from vllm.attention import kv_quant
 
 QUERY_TILE = 256   # prefill queries per tile when column sums are collected
 
@@ -100,7 +105,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                                                     scale)
     if batched:
         for batch in meta.prefill_batches:
-            kv = kv_cache.index_select(0, batch.kv_slots)      # every span's K/V, one gather
+            kv = kv_quant.gather(kv_cache, batch.kv_slots, q.dtype)     # every span's K/V, one gather
             out.index_copy_(0, batch.q_rows, ops.prefill_attention_batched(q, kv, batch, scale))
     return out
 
@@ -115,7 +120,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
              scale: float) -> torch.Tensor:
-    kv = kv_cache.index_select(0, span.kv_slots)     # [Lk, 2, KVH, D]
+    kv = kv_quant.gather(kv_cache, span.kv_slots, q.dtype)    # [Lk, 2, KVH, D] (fp8: dequantized)
     k = kv[:, 0].transpose(0, 1)                     # [KVH, Lk, D]
     v = kv[:, 1].transpose(0, 1)
     qh = q.transpose(0, 1)                           # [H, q, D]

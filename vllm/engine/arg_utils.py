@@ -4,8 +4,9 @@ import dataclasses
 from dataclasses import InitVar, dataclass
 from typing import Optional
 
-from vllm.config import (DEVICES, DISTRIBUTED_BACKENDS, EVICTION_POLICIES, RECLAMATION_MODES,
-                         KVEvictionConfig, ParallelConfig)
+from vllm.config import (DEVICES, DISTRIBUTED_BACKENDS, EVICTION_POLICIES, KV_CACHE_DTYPES,
+                         QUANTIZATION_METHODS, RECLAMATION_MODES, KVEvictionConfig,
+                         ParallelConfig)
 
 _KV_FIELDS = {  # EngineArgs field -> KVEvictionConfig field
     "kv_eviction_policy": "policy", "kv_eviction_ratio": "eviction_ratio",
@@ -33,10 +34,13 @@ class EngineArgs:
     kv_cache_memory: Optional[int] = None  # CPU: KV bytes
     gpu_memory_utilization: float = 0.9    # CUDA: weights + activations + KV share of memory
     enable_prefix_caching: bool = False
+    kv_cache_dtype: str = "auto"           # auto = the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2
+    calculate_kv_scales: bool = False      # fp8: per-layer K/V scales from the first prefill
     enable_chunked_prefill: bool = True
     seed: int = 0
     enforce_eager: bool = False
     load_format: str = "auto"              # auto | dummy (random weights) | simulate (no model math)
+    quantization: str = "auto"             # auto (= none for now) | gguf | none
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1        # > 1: not supported
     data_parallel_size: int = 1            # > 1: not supported
@@ -85,6 +89,13 @@ class EngineArgs:
         add("--gpu-memory-utilization", type=float, default=0.9,
             help="CUDA: share of the GPU's memory for weights, activations and the KV cache; "
                  "the KV pool gets what a profiling forward leaves of it")
+        add("--kv-cache-dtype", type=str, default="auto", choices=list(KV_CACHE_DTYPES),
+            help="KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 "
+                 "store one byte per value (4x the tokens of float32 in the same memory; "
+                 "CPU only in this build)")
+        add("--calculate-kv-scales", action="store_true",
+            help="fp8 KV cache: each layer's K and V scales from its first write (the first "
+                 "prefill's amax, with 2x headroom) instead of 1.0")
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
         add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         add("--seed", type=int, default=0)
@@ -92,6 +103,12 @@ class EngineArgs:
         add("--load-format", type=str, default="auto", choices=["auto", "dummy", "simulate"],
             help="dummy: seeded random weights from the model directory's config.json alone; "
                  "simulate: skip model math and emit seeded synthetic attention statistics")
+        add("--quantization", "-q", type=str, default="auto", choices=list(QUANTIZATION_METHODS),
+            help="gguf: keep a .gguf model's Q8_0/Q4_0/Q4_1 GEMM weights in their blocks and "
+                 "multiply them natively on the CPU (other types, GPUs and tensor parallelism: "
+                 "dequantized float32); none: dequantize everything to float32; auto: "
+                 "the float32 path for now (the native kernels are opt-in until they are measured "
+                 "faster on every batch size)")
         add("--tensor-parallel-size", "-tp", type=int, default=1,
             help="ranks that shard the model (not implemented yet in this build: 1)")
         add("--pipeline-parallel-size", "-pp", type=int, default=1, help="not supported: 1")

@@ -15,7 +15,8 @@ from vllm.engine.step_input_builder import StepInputBuilder, StepRow
 from vllm.engine.stop_checker import StopChecker
 from vllm.executor.executor_base import ExecutorBase
 from vllm.kv_eviction_params import KVEvictionParams
-from vllm.model_executor.gguf_loader import resolve_model
+from vllm.model_executor.gguf_loader import resolve_model, resolve_quantization
+from vllm.model_executor.model_loader import GGUF_QUANT_ATTR
 from vllm.model_executor.sampler import (Sampler, SamplerOutput, SamplingRow,
                                          compute_prompt_logprobs)
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -48,10 +49,13 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         parallel_config = args.parallel_config()
         executor_class = ExecutorBase.get_class(parallel_config)   # fail fast, before loading
+        quantization, quant_file = resolve_quantization(args.model, args.quantization)
         model_dir = resolve_model(args.model)
         self.tokenizer = self._load_tokenizer(args.tokenizer or model_dir, args.load_format)
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.hf_config = hf_config
+        if quantization == "gguf":      # get_model reads it on every rank
+            setattr(hf_config, GGUF_QUANT_ATTR, quant_file)
         max_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
         self.simulated = args.load_format == "simulate"
         self.device_config = DeviceConfig(self._device(args))
@@ -60,10 +64,13 @@ class LLMEngine:
                                         dtype=args.dtype, max_model_len=max_len, seed=args.seed,
                                         enforce_eager=args.enforce_eager,
                                         device=self.device_config.device,
-                                        load_format=args.load_format, hf_config=hf_config)
+                                        load_format=args.load_format, hf_config=hf_config,
+                                        quantization=quantization,
+                                        quantization_file=quant_file)
         self.cache_config = CacheConfig(args.block_size, args.num_gpu_blocks_override,
                                         args.kv_cache_memory, args.enable_prefix_caching,
-                                        args.gpu_memory_utilization)
+                                        args.gpu_memory_utilization, args.kv_cache_dtype,
+                                        args.calculate_kv_scales)
         self.scheduler_config = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.max_num_seqs),
             max_len, args.enable_chunked_prefill)

@@ -457,3 +457,29 @@ def resolve_model(model: Optional[str]) -> str:
         "tokenizer) or a local .gguf file; models are never downloaded from a hub. "
         f"Omit --model to use the bundled default {DEFAULT_MODEL_NAME}."
     )
+
+
+def resolve_quantization(model: Optional[str], quantization: str = "auto"):
+    """``--quantization`` for a ``--model`` value -> (``"gguf"`` or ``"none"``, the GGUF file
+    for gguf). auto: none (the float32 path) until the native kernels are measured faster than
+    it on every batch band; gguf: a .gguf model's (or the default model's) blocks run natively,
+    and for a directory it is an error (it has no blocks to keep)."""
+    from vllm.config import QUANTIZATION_METHODS
+
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"--quantization: must be one of {QUANTIZATION_METHODS}, "
+                         f"got {quantization!r}")
+    if quantization in ("none", "auto"):
+        return "none", None
+    if model is None:
+        source = find_default_model_gguf()
+    elif model.lower().endswith(".gguf"):
+        source = str(Path(model).expanduser().resolve())
+    else:
+        source = None
+    if source is None:
+        if quantization == "gguf":
+            raise ValueError(f"--quantization gguf: --model {model!r} is not a .gguf file; "
+                             "use --quantization auto or none")
+        return "none", None
+    return "gguf", source

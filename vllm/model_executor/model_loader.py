@@ -4,6 +4,7 @@ straight onto it, never staged whole in host memory. With tensor parallelism eac
 only its shard (TPShards: safetensors slices; a .bin file or a dummy tensor is sliced one tensor
 at a time)."""
 import glob
+import logging
 import os
 from typing import Dict, Optional
 
@@ -21,6 +22,37 @@ _ARCHITECTURES = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger(__name__)
+
+# set on the HF config by the engine (it travels to every rank with it): the GGUF whose block
+# weights --quantization gguf keeps
+GGUF_QUANT_ATTR = "vllm_gguf_quantized_file"
+
+
+def _gguf_blocks(hf_config, dtype: str, device: torch.device, tp: TPGroup,
+                 load_format: str) -> Optional[dict]:
+    """The GGUF block weights to keep quantized, or None: float32 everywhere (with one log line
+    where --quantization gguf was asked for but cannot run here)."""
+    path = getattr(hf_config, GGUF_QUANT_ATTR, None)
+    if not path or load_format == "dummy":
+        return None
+    why = ("tensor parallelism" if tp.world_size > 1 else
+           f"dtype {dtype}" if dtype != "float32" else
+           f"device {device.type}" if device.type != "cpu" else None)
+    if why is None:
+        from vllm import quant_kernels
+        if not quant_kernels.available():
+            why = "no C compiler (or VLLM_CPU_KERNELS=0)"
+    if why is not None:
+        logger.info("--quantization gguf: the CPU block kernels do not cover %s; the model runs "
+                    "dequantized in float32", why)
+        return None
+    from vllm.model_executor.quant_linear import load_gguf_linears
+    quant = load_gguf_linears(path, hf_config)
+    kinds = sorted({w.type_name for w in quant.values()})
+    logger.info("--quantization gguf: %d GEMM weights kept in %s blocks", len(quant),
+                "/".join(kinds) or "no")
+    return quant
 
 
 def load_hf_config(model_dir: str):
@@ -115,6 +147,10 @@ def get_model(model_dir: str, hf_config, dtype: str, max_model_len: int,
         weights = dummy_state_dict(hf_config, seed, device, DTYPES[dtype], shards)
     else:
         weights = load_state_dict(model_dir, device, DTYPES[dtype], shards)
+    quant = _gguf_blocks(hf_config, dtype, device, tp, load_format)
     with torch.no_grad():
-        model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device, tp)
+        if quant:
+            model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device, tp, quant=quant)
+        else:
+            model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device, tp)
     return model.eval()

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vllm._custom_ops import to_device
+from vllm.attention import kv_quant
 from vllm.attention.backend import AttentionMetadata, PrefillSpan
 from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.input_buffers import InputBuffers
@@ -171,7 +172,9 @@ class ModelRunner:
         """Per view token, mean over layers and KV heads: "norm" ||k||, or "similarity"
         cos(k, anchor) with the anchor the mean of the view's unit keys (KeyDiff)."""
         slots = to_device(view_slots.astype(np.int64, copy=False), self.device)
-        keys = self.kv_caches[:, slots, 0].float()
+        keys = self.kv_caches[:, slots, 0].float()                   # [layers, n, KVH, D]
+        if kv_quant.is_fp8(self.kv_caches):     # dequantized: each layer's K scale
+            keys *= kv_quant.scales_of(self.kv_caches)[:, 0].to(keys.device).view(-1, 1, 1, 1)
         norms = keys.norm(dim=-1, keepdim=True)                      # [layers, n, KVH, 1]
         if kind == "norm":
             return norms.mean(dim=(0, 2)).flatten().cpu().numpy()

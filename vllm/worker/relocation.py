@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Set
 import torch
 
 from vllm import _custom_ops as ops
+from vllm.attention import kv_quant
 
 
 class CopyEvent:
@@ -169,7 +170,7 @@ class RelocationExecutor:
 
     def _check_conservation(self, batch_id: int) -> None:
         dst, before = self._before.pop(batch_id)
-        if not torch.equal(self.kv_caches[:, dst], before):
+        if not torch.equal(kv_quant.bytes_(self.kv_caches)[:, dst], kv_quant.bytes_(before)):
             raise AssertionError(f"relocation batch {batch_id}: I1 violated, the moved tokens' "
                                  f"K/V differ from their sources")
 
@@ -217,7 +218,10 @@ class DelayedRelocationExecutor(RelocationExecutor):
         self.landed = 0
 
     def _launch(self, src: torch.Tensor, dst: torch.Tensor) -> CopyEvent:
-        self.kv_caches[:, dst] = float("nan")
+        if kv_quant.is_fp8(self.kv_caches):     # 0x7f: NaN in e4m3fn and in e5m2
+            kv_quant.bytes_(self.kv_caches)[:, dst] = 0x7F
+        else:
+            self.kv_caches[:, dst] = float("nan")
         event = _DelayedEvent(self, src.clone(), dst.clone(), self.delay_steps)
         if self.delay_steps <= 0:
             event.land()

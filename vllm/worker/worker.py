@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Set
 import numpy as np
 import torch
 
+from vllm.attention import kv_quant
 from vllm.config import VllmConfig
 from vllm.distributed.tp_group import TPGroup
 from vllm.model_executor.model_loader import DTYPES, get_model
@@ -54,6 +55,11 @@ class Worker:
         self.tp = tp or TPGroup()
         mc = config.model_config
         self.device = self.tp.device if self.tp.world_size > 1 else torch.device(mc.device)
+        if config.cache_config.kv_cache_dtype != "auto" and self.device.type != "cpu":
+            raise ValueError(f"--kv-cache-dtype {config.cache_config.kv_cache_dtype}: an fp8 KV "
+                             f"cache is implemented on CPU only in this build (the Triton/CUDA "
+                             f"kernels read the model's dtype); use --kv-cache-dtype auto on "
+                             f"{self.device.type}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.simulated = mc.load_format == "simulate"
@@ -83,9 +89,15 @@ class Worker:
         return getattr(self.model, "num_kv_heads", self.model.config.num_key_value_heads)
 
     # ---- sizing -------------------------------------------------------------------------------
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The pool's element type: the model's dtype, or fp8 (--kv-cache-dtype)."""
+        return kv_quant.cache_dtype(self.config.cache_config.kv_cache_dtype,
+                                    DTYPES[self.config.model_config.dtype])
+
     def block_bytes(self) -> int:
         cfg = self.model.config
-        elem = torch.finfo(DTYPES[self.config.model_config.dtype]).bits // 8
+        elem = torch.finfo(self.kv_dtype).bits // 8
         return (cfg.num_hidden_layers * 2 * self.num_kv_heads * cfg.head_dim * elem
                 * self.config.cache_config.block_size)
 
@@ -137,8 +149,9 @@ class Worker:
         cfg, block_size = self.model.config, c.cache_config.block_size
         shape = (1, num_blocks * block_size, 2, 1, 1) if self.simulated else \
             (cfg.num_hidden_layers, num_blocks * block_size, 2, self.num_kv_heads, cfg.head_dim)
-        self.kv_caches = torch.zeros(shape, dtype=DTYPES[c.model_config.dtype],
-                                     device=self.device)
+        self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        if kv_quant.is_fp8(self.kv_caches):
+            kv_quant.register(self.kv_caches, c.cache_config.calculate_kv_scales)
         sc = c.scheduler_config
         self.model_runner = ModelRunner(self.model, self.kv_caches, sc.max_num_batched_tokens,
                                         sc.max_num_seqs, sc.max_model_len)

@@ -11,6 +11,9 @@ Weights are kept pre-transposed ([in, out], contiguous) because `x @ Wt` is up t
 In float32 on CPU a KernelPlan (vllm/cpu_kernel_plan.py), timed once at load, picks per batch
 band the GEMM path (C on packed panels, MKL packed, or x @ Wt), the decode attention and whether
 a decode step runs each layer as one C call; each weight is kept only in the layouts it uses.
+With --quantization gguf the GEMM weights the GGUF holds in Q8_0 / Q4_0 / Q4_1 blocks stay in
+them (QuantLinear, model_executor/quant_linear.py); a layer with one runs op by op (the fused C
+decode layer takes float32 weights only).
 """
 import functools
 import math
@@ -24,6 +27,7 @@ from vllm import cpu_kernel_plan, cpu_kernels
 from vllm.attention.backend import AttentionMetadata, paged_attention, write_kv
 from vllm.cpu_kernel_plan import KernelPlan, band
 from vllm.distributed.tp_group import TPGroup
+from vllm.model_executor.quant_linear import QuantLinear, QuantWeight, group
 from vllm.weight_arena import WeightArena
 
 
@@ -153,30 +157,47 @@ def local_heads(cfg, tp: TPGroup) -> Tuple[int, int]:
     return cfg.num_attention_heads // n, max(cfg.num_key_value_heads // n, 1)
 
 
+# each fused GEMM of a decoder layer: its weights (after "model.layers.N."), in output order
+LAYER_GEMMS = {"qkv": [f"self_attn.{n}_proj" for n in "qkv"], "o": ["self_attn.o_proj"],
+               "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+
+
+def _quant_group(quant: Optional[Dict[str, QuantWeight]], p: str,
+                 gemm: str) -> Optional[List[QuantWeight]]:
+    return group(quant, [f"{p}.{n}.weight" for n in LAYER_GEMMS[gemm]])
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, w: Dict[str, torch.Tensor], p: str, plan: Optional[KernelPlan],
-                 arena: Optional[WeightArena] = None, tp: TPGroup = TPGroup()):
+                 arena: Optional[WeightArena] = None, tp: TPGroup = TPGroup(),
+                 quant: Optional[Dict[str, QuantWeight]] = None):
         super().__init__()
         self.plan, self.tp = plan, tp
         self.num_heads, self.num_kv_heads = local_heads(cfg, tp)
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        qkv_w = torch.cat([w[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"]).t()
         qkv_b = None
         if f"{p}.self_attn.q_proj.bias" in w:
             qkv_b = torch.cat([w[f"{p}.self_attn.{n}_proj.bias"] for n in "qkv"])
-        self.qkv = Linear(qkv_w, qkv_b, plan, arena)
         o_bias = w.get(f"{p}.self_attn.o_proj.bias") if tp.rank == 0 else None  # added once
-        self.o = Linear(w[f"{p}.self_attn.o_proj.weight"].t(), o_bias, plan, arena)
-        gate_up = torch.cat([w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"]]).t()
-        self.gate_up = Linear(gate_up, plan=plan, arena=arena)
-        self.down = Linear(w[f"{p}.mlp.down_proj.weight"].t(), plan=plan, arena=arena)
+
+        def linear(gemm: str, bias: Optional[torch.Tensor] = None):
+            qw = _quant_group(quant, p, gemm)
+            if qw is not None:
+                return QuantLinear(qw, bias)
+            wt = torch.cat([w[f"{p}.{n}.weight"] for n in LAYER_GEMMS[gemm]]).t()
+            return Linear(wt, bias, plan, arena)
+        self.qkv = linear("qkv", qkv_b)
+        self.o = linear("o", o_bias)
+        self.gate_up = linear("gate_up")
+        self.down = linear("down")
+        intermediate = self.gate_up.out_features // 2
         self.ln1 = nn.Parameter(w[f"{p}.input_layernorm.weight"], requires_grad=False)
         self.ln2 = nn.Parameter(w[f"{p}.post_attention_layernorm.weight"], requires_grad=False)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.fused = self._fused_weights(gate_up.shape[1] // 2) if tp.world_size == 1 else None
+        self.fused = self._fused_weights(intermediate) if tp.world_size == 1 else None
 
     def _fused_weights(self, intermediate: int) -> Optional[cpu_kernels.LayerWeights]:
         """The C decode layer's view of this layer, where every piece of it runs in C."""
@@ -211,7 +232,7 @@ class DecoderLayer(nn.Module):
         h = rms_norm(x, self.ln2, self.eps)
         return self._row_parallel(self.down, silu_mul(self.gate_up(h)), x)
 
-    def _row_parallel(self, linear: Linear, x: torch.Tensor, residual: torch.Tensor):
+    def _row_parallel(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor):
         """residual + x @ W, W's rows split over the ranks: partial products summed first."""
         if self.tp.world_size == 1:
             return linear(x, residual=residual)
@@ -222,7 +243,10 @@ class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM and Qwen2ForCausalLM (Qwen2 adds q/k/v biases)."""
 
     def __init__(self, cfg, weights: Dict[str, torch.Tensor], dtype: torch.dtype, max_pos: int,
-                 device: torch.device = torch.device("cpu"), tp: Optional[TPGroup] = None):
+                 device: torch.device = torch.device("cpu"), tp: Optional[TPGroup] = None,
+                 quant: Optional[Dict[str, QuantWeight]] = None):
+        """quant: HF weight name -> its GGUF blocks (--quantization gguf; float32 on the CPU,
+        one rank only); those GEMMs run as QuantLinear, the rest as Linear."""
         super().__init__()
         if getattr(cfg, "head_dim", None) is None:
             cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -233,18 +257,23 @@ class LlamaForCausalLM(nn.Module):
         head = w.get("lm_head.weight")
         if head is None or getattr(cfg, "tie_word_embeddings", False):
             head = w["model.embed_tokens.weight"]
-        shapes = self._gemm_shapes(cfg, w, head, self.num_heads, self.num_kv_heads)
         on_cpu = dtype == torch.float32 and not self.embed.is_cuda
+        quant = quant or None
+        assert quant is None or (on_cpu and self.tp.world_size == 1), \
+            "GGUF block weights run on the CPU in float32 at tensor parallel size 1"
+        shapes = self._gemm_shapes(cfg, w, head, self.num_heads, self.num_kv_heads, quant)
         self.plan = cpu_kernel_plan.plan_model(
             shapes, self.num_heads, self.num_kv_heads, cfg.head_dim,
             cfg.num_hidden_layers) if on_cpu and ops.cpu_kernels_enabled() else None
         arena = WeightArena(sum(count * Linear.arena_floats(shape, self.plan)
                                 for shape, count in shapes.items())) if on_cpu else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, w, f"model.layers.{i}", self.plan, arena,
-                                                 self.tp)
+                                                 self.tp, quant)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
-        self.lm_head = Linear(head.t(), plan=self.plan, arena=arena)
+        head_q = group(quant, ["lm_head.weight"])
+        self.lm_head = QuantLinear(head_q) if head_q else Linear(head.t(), plan=self.plan,
+                                                                 arena=arena)
         assert arena is None or arena.used == arena.numel
         theta, scaling = rope_parameters(cfg)
         self.rotary = Rotary(cfg.head_dim, max_pos, theta, scaling, dtype, device)
@@ -256,14 +285,22 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _gemm_shapes(cfg, w: Dict[str, torch.Tensor], head: torch.Tensor, heads: int,
-                     kv_heads: int) -> Dict[Tuple[int, int], int]:
-        """(K, N) of every GEMM weight (this rank's) -> how many the model has."""
+                     kv_heads: int, quant: Optional[Dict[str, QuantWeight]] = None
+                     ) -> Dict[Tuple[int, int], int]:
+        """(K, N) of every float32 GEMM weight (this rank's; not those kept quantized) -> how
+        many the model has."""
         e, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
         inter = w["model.layers.0.mlp.gate_proj.weight"].shape[0]
+        gemm_shapes = {"qkv": (e, (heads + 2 * kv_heads) * d), "o": (heads * d, e),
+                       "gate_up": (e, 2 * inter), "down": (inter, e)}
         shapes: Dict[Tuple[int, int], int] = {}
-        for k, n, count in ((e, (heads + 2 * kv_heads) * d, layers), (heads * d, e, layers),
-                            (e, 2 * inter, layers), (inter, e, layers), (e, head.shape[0], 1)):
-            shapes[(k, n)] = shapes.get((k, n), 0) + count
+        for i in range(layers):
+            for gemm, shape in gemm_shapes.items():
+                if _quant_group(quant, f"model.layers.{i}", gemm) is None:
+                    shapes[shape] = shapes.get(shape, 0) + 1
+        if group(quant, ["lm_head.weight"]) is None:
+            shape = (e, head.shape[0])
+            shapes[shape] = shapes.get(shape, 0) + 1
         return shapes
 
     def _timed_step(self, m: int, fused: bool, prefetch: bool,

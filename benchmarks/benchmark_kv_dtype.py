@@ -1,0 +1,71 @@
+"""Decode throughput with an fp8 KV cache against float32 (--kv-cache-dtype, CPU): the default
+model's shape (SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads of 64, MLP 1536,
+49,152-token head) with seeded dummy weights, `batch` rows of `context` cached tokens each, one
+decode step = the model forward (the plan's path: fused C decode layers or per op) + logits.
+The two caches take turns step by step, so a drift of the shared host moves both alike; the
+figure is median tok/s = batch / step time.
+
+    python benchmarks/benchmark_kv_dtype.py --threads 2 --batch 32 --context 1024
+"""
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig
+
+from vllm.attention import kv_quant
+from vllm.attention.backend import AttentionMetadata
+from vllm.model_executor.model_loader import get_model
+
+DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                     tie_word_embeddings=True, head_dim=64)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8_e4m3", "fp8_e5m2"])
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    cfg = LlamaConfig(**DEFAULT_SHAPE)
+    model = get_model("", cfg, "float32", 4096, "dummy", 0, torch.device("cpu"))
+    b, n = a.batch, a.context
+    slots = n * b + b
+    g = torch.Generator().manual_seed(0)
+    views = torch.randperm(n * b, generator=g).view(b, n)      # scattered, as after eviction
+    meta = lambda: AttentionMetadata(                          # noqa: E731
+        slot_mapping=torch.arange(n * b, n * b + b), num_decodes=b, decode_views=views,
+        decode_lens=torch.full((b,), n), decode_mass=torch.zeros(b, n))
+    caches = {}
+    for name in a.dtypes:
+        dtype = kv_quant.cache_dtype(name, torch.float32)
+        kv = (torch.randn(cfg.num_hidden_layers, slots, 2, 3, 64, generator=g) * 2).to(dtype)
+        if kv_quant.is_fp8(kv):
+            kv_quant.register(kv)
+        caches[name] = kv
+    ids, pos = torch.randint(0, cfg.vocab_size, (b,), generator=g), torch.full((b,), n)
+    times = {name: [] for name in caches}
+    with torch.inference_mode():
+        for step in range(a.steps + 2):
+            for name, kv in caches.items():
+                t0 = time.perf_counter()
+                model.compute_logits(model(ids, pos, kv, meta()))
+                if step >= 2:
+                    times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times[a.dtypes[0]])
+    print(f"batch {b}, context {n}, {a.threads} threads, decode path "
+          f"{'fused C layers' if model.plan and model.plan.use_decode_layer(b) else 'per op'}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  kv {name:9s} {b / med:8.1f} tok/s  ({med * 1e3:.1f} ms/step, "
+              f"{base / med:.2f}x of {a.dtypes[0]}), KV bytes {caches[name].nbytes / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

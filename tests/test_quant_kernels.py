@@ -1,0 +1,124 @@
+"""The GGUF block-quantized GEMM (csrc/cpu/quant_kernels.c, vllm/quant_kernels.py) against a
+float64 reference of the same block math, on every instruction-set variant this CPU runs."""
+import numpy as np
+import pytest
+import torch
+
+from vllm import cpu_kernels, quant_kernels
+from vllm.quant_kernels import BLOCK, BLOCK_BYTES, Q4_0, Q4_1, Q8_0
+
+gguf = pytest.importorskip("gguf")
+quant_built = pytest.mark.skipif(not quant_kernels.available(), reason="no C compiler")
+
+
+def quantize_weight(w: np.ndarray, qtype: int) -> np.ndarray:
+    """w [N, K] float32 -> GGML blocks uint8 [N, K / 32 * block bytes]."""
+    return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType(qtype))
+
+
+def block_fields(blocks: np.ndarray, qtype: int, k: int):
+    """(d float64 [N, nb], m float64 [N, nb] (zeros but Q4_1), q int64 [N, nb, 32]) exactly as
+    the GGUF blocks hold them (q: Q8_0 signed, Q4 nibbles 0..15)."""
+    n = blocks.shape[0]
+    nb = k // BLOCK
+    b = blocks.reshape(n, nb, BLOCK_BYTES[qtype])
+    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = np.zeros_like(d)
+    if qtype == Q8_0:
+        return d, m, b[..., 2:].copy().view(np.int8).astype(np.int64)
+    if qtype == Q4_1:
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    qs = b[..., 4:] if qtype == Q4_1 else b[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
+    return d, m, q
+
+
+def reference(x: np.ndarray, blocks: np.ndarray, qtype: int):
+    """(y float64 [M, N], the sum of |block terms| [M, N]): W dequantized exactly, x quantized
+    exactly as the kernel does, the block products summed in float64."""
+    m_rows, k = x.shape
+    dw, mw, qw = block_fields(blocks, qtype, k)
+    qx, ex, dx, ed, sx = quant_kernels.quantize_activations(x)
+    qx = qx.reshape(m_rows, k // BLOCK, BLOCK).astype(np.int64)
+    ex = ex.reshape(m_rows, k // BLOCK, BLOCK).astype(np.int64)
+    isum = np.einsum("mbi,nbi->mnb", qx, qw).astype(np.float64)
+    esum = np.einsum("mbi,nbi->mnb", ex, qw).astype(np.float64)
+    terms = dw[None] * (dx.astype(np.float64)[:, None] * isum +
+                        ed.astype(np.float64)[:, None] * esum)
+    if qtype == Q4_0:
+        terms = terms - 8.0 * dw[None] * sx.astype(np.float64)[:, None]
+    elif qtype == Q4_1:
+        terms = terms + mw[None] * sx.astype(np.float64)[:, None]
+    return terms.sum(-1), np.abs(terms).sum(-1)
+
+
+def test_activation_quantization_matches_the_kernel():
+    lib = quant_kernels.library("generic")
+    if lib is None:
+        pytest.skip("no C compiler")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 96)).astype(np.float32) * 3
+    x[1, :32] = 0                           # an all-zero block: scale 0
+    x[2, 40] = 1e4                          # one outlier
+    q, e = np.empty((5, 96), np.int8), np.empty((5, 96), np.int8)
+    d, ed, s = (np.empty((5, 3), np.float32) for _ in range(3))
+    lib.vq_quantize_rows(x.ctypes.data, 5, 96, q.ctypes.data, e.ctypes.data, d.ctypes.data,
+                         ed.ctypes.data, s.ctypes.data)
+    for got, want in zip((q, e, d, ed, s), quant_kernels.quantize_activations(x)):
+        assert np.array_equal(got, want)
+    # two digits: x within half a step of the second one
+    assert (np.abs(d.repeat(32, 1) * q + ed.repeat(32, 1) * e - x) <=
+            ed.repeat(32, 1) * 0.5 * (1 + 1e-5)).all()
+
+
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request):
+    if request.param not in cpu_kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot run {request.param}")
+    if quant_kernels.library(request.param) is None:
+        pytest.skip("no C compiler")
+    return request.param
+
+
+@quant_built
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0, Q4_1])
+@pytest.mark.parametrize("k", [32, 576, 1536])
+def test_quant_gemm_matches_float64_block_math(isa, qtype, k):
+    assert quant_kernels.library(isa).vq_isa().decode() == isa
+    rng = np.random.default_rng(k + qtype)
+    n = 37                                  # not a multiple of 16 (nor of the 8-column chunks)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    w[3] += 0.3                             # rows with an offset: Q4_1's min term matters
+    blocks = quantize_weight(w, qtype)
+    tblocks = torch.from_numpy(blocks)
+    for m in (1, 3, 17, 33):
+        x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+        x[0, :BLOCK] = 0.0                  # a zero block
+        bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        residual = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32))
+        y = quant_kernels.gemm(torch.from_numpy(x), tblocks, qtype, n, k, isa=isa).double()
+        ref, scale = reference(x, blocks, qtype)
+        err = (y.numpy() - ref).__abs__()
+        assert (err <= 1e-5 * scale + 1e-6).all(), (isa, m, float(err.max()))
+        y2 = quant_kernels.gemm(torch.from_numpy(x), tblocks, qtype, n, k, bias, residual,
+                                isa=isa)
+        expect = torch.from_numpy(ref) + bias.double() + residual.double()
+        assert torch.allclose(y2.double(), expect, rtol=1e-5, atol=1e-4 + 1e-5 * scale.max())
+
+
+@quant_built
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0, Q4_1])
+def test_quant_gemm_is_close_to_the_float_matmul(qtype):
+    """The whole approximation (weight and activation quantization) stays small."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 576)).astype(np.float32) * 0.05
+    x = rng.standard_normal((4, 576)).astype(np.float32)
+    blocks = quantize_weight(w, qtype)
+    y = quant_kernels.gemm(torch.from_numpy(x), torch.from_numpy(blocks), qtype, 64, 576)
+    ref = torch.from_numpy(x @ w.T)
+    rel = float((y - ref).norm() / ref.norm())
+    assert rel < {Q8_0: 0.02, Q4_0: 0.15, Q4_1: 0.15}[qtype]
+    # the activations' two digits make it the matmul of the dequantized weights, nearly
+    deq = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype))
+    exact = torch.from_numpy(x.astype(np.float64) @ deq.astype(np.float64).T)
+    assert float((y.double() - exact).norm() / exact.norm()) < 1e-4
