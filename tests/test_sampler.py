@@ -434,3 +434,67 @@ def test_logit_bias_forces_a_token_and_penalties_validate():
                 dict(repetition_penalty=0.0), dict(logit_bias={-1: 1.0})):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def _penalized_batch_reference(logits, rows):
+    """Row by row, token by token, in float32 with the sampler's order of operations."""
+    out = logits.clone()
+    for i, r in enumerate(rows):
+        p, toks, x = r.params, list(r.token_ids), out[i]
+        for tok, val in (p.logit_bias or {}).items():
+            x[tok] += val
+        gen_toks = toks[len(toks) - r.num_generated:] if r.num_generated else []
+        for tok in set(toks):
+            if p.repetition_penalty != 1.0:
+                x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 \
+                    else x[tok] * p.repetition_penalty
+        for tok in set(gen_toks):
+            c = torch.tensor(float(gen_toks.count(tok)))
+            x[tok] = x[tok] - torch.tensor(p.frequency_penalty) * c \
+                - torch.tensor(p.presence_penalty)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_penalties_on_random_rows_match_reference(seed, monkeypatch):
+    """Random rows, some without any penalty, mixed in one batch: the penalized logits equal a
+    plain per-token reference, and the counts are made on the logits' device from id lists only
+    (nothing of the vocabulary's width is uploaded)."""
+    import random
+
+    from vllm.model_executor import sampler as sampler_mod
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    b, vocab = 9, 3000
+    logits = torch.randn(b, vocab) * 3
+    rows = []
+    for i in range(b):
+        kw = {}
+        if i % 3:     # every third row has no penalty at all
+            kw = dict(repetition_penalty=rng.choice([1.0, 0.6, 1.7]),
+                      frequency_penalty=rng.choice([0.0, 0.4, -1.1]),
+                      presence_penalty=rng.choice([0.0, 1.2, -0.5]))
+            if rng.random() < 0.3:
+                kw["logit_bias"] = {rng.randrange(vocab): 2.0}
+        n = rng.randint(0, 40)
+        toks = [rng.randrange(50) for _ in range(n)]    # a small range: repeated tokens
+        rows.append(SamplingRow(SamplingParams(temperature=0, **kw), None, rng.randint(0, n),
+                                None, toks))
+    uploads, count_calls = [], []
+    real_upload, real_count = sampler_mod.to_device, sampler_mod._count_tokens
+    monkeypatch.setattr(sampler_mod, "to_device",
+                        lambda t, dev: uploads.append(tuple(t.shape)) or real_upload(t, dev))
+
+    def spy_count(seqs, v, dev, dtype):
+        assert all(isinstance(t, int) for s in seqs for t in s)    # id lists, not tables
+        counts = real_count(seqs, v, dev, dtype)
+        count_calls.append(counts.device)
+        return counts
+    monkeypatch.setattr(sampler_mod, "_count_tokens", spy_count)
+    got = sampler_mod._adjust_logits(logits, rows)
+    torch.testing.assert_close(got, _penalized_batch_reference(logits, rows))
+    assert count_calls and all(d == logits.device for d in count_calls)
+    assert all(len(s) == 1 and s[0] < vocab for s in uploads), uploads
+    # the untouched rows are exactly the model's
+    for i in range(0, b, 3):
+        assert torch.equal(got[i], logits[i])

@@ -15,6 +15,7 @@ and top-p sorts the whole vocabulary instead of retrying with more candidates.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from vllm._custom_ops import argmax_rows, to_device
@@ -111,6 +112,29 @@ def _apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
     return logits.index_copy(0, idx_t, sub)
 
 
+def _count_tokens(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """[len(seqs), vocab] occurrences of each token in each row's ids, counted on `device`.
+
+    Only the ids travel (one flat int32 list and the row lengths); the count table is made on
+    the device by one scatter-add: [[5, 5], [2]] -> flat bins [5, 5, vocab + 2] -> counts[0, 5]
+    = 2, counts[1, 2] = 1. Ids outside [0, vocab) count as the nearest end (as before). Counts
+    are whole numbers in `dtype` (exact below 2**24 in float32), so the order of the adds does
+    not matter."""
+    n = len(seqs)
+    lens = [len(s) for s in seqs]
+    total = sum(lens)
+    counts = torch.zeros(n * vocab, dtype=dtype, device=device)
+    if total:
+        flat = np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs if len(s)])
+        ids = to_device(torch.from_numpy(np.clip(flat, 0, vocab - 1).astype(np.int32)), device)
+        row = torch.repeat_interleave(torch.arange(n, device=device),
+                                      _tensor(lens, device, torch.long), output_size=total)
+        counts.scatter_add_(0, row * vocab + ids.long(),
+                            torch.ones(total, dtype=dtype, device=device))
+    return counts.view(n, vocab)
+
+
 def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Logit bias, then upstream vLLM's penalties, for the rows that ask for them:
 
@@ -118,12 +142,12 @@ def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         frequency   x - f * (count of the token in the output)
         presence    x - p * (token occurs in the output)
 
-    Token counts for all such rows come from one bincount over (row, token) pairs.
+    Token counts are made on the logits' device from the rows' ids (_count_tokens).
     Returns a new tensor when any row is adjusted; the input is not modified."""
     idx = [i for i, r in enumerate(rows) if r.params.adjusts_logits]
     if not idx:
         return logits
-    n, vocab, dev = len(idx), logits.shape[1], logits.device
+    vocab, dev = logits.shape[1], logits.device
     sub = logits[_index(idx, dev)]
     bias_rows, bias_toks, bias_vals = [], [], []
     for j, i in enumerate(idx):
@@ -133,20 +157,23 @@ def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     if bias_rows:
         sub[_index(bias_rows, dev), _index(bias_toks, dev)] += _tensor(bias_vals, dev)
 
-    def counts(parts: List[torch.Tensor]) -> torch.Tensor:
-        # row j's tokens t -> flat bin j * vocab + t: [[5, 5], [2]] -> counts[0, 5] = 2, [1, 2] = 1
-        flat = torch.cat([j * vocab + t.clamp(0, vocab - 1) for j, t in enumerate(parts)])
-        return to_device(torch.bincount(flat, minlength=n * vocab).view(n, vocab), dev)
-    toks = [torch.as_tensor(list(rows[i].token_ids), dtype=torch.long) for i in idx]
-    generated = [t[len(t) - rows[i].num_generated:] for t, i in zip(toks, idx)]
     params = [rows[i].params for i in idx]
-    rep = _tensor([p.repetition_penalty for p in params], dev).unsqueeze(1)
-    seen = counts(toks) > 0
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    out_counts = counts(generated).to(sub.dtype)
-    freq = _tensor([p.frequency_penalty for p in params], dev).unsqueeze(1)
-    pres = _tensor([p.presence_penalty for p in params], dev).unsqueeze(1)
-    sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
+    # counts are made on the logits' device from the rows' token ids (a per-vocabulary count
+    # table built on the host would upload rows x vocab numbers every step); a factor of 1 or
+    # a penalty of 0 leaves a logit bit-identical, so a batch without one skips its counts
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rep = _tensor([p.repetition_penalty for p in params], dev).unsqueeze(1)
+        seen = _count_tokens([rows[i].token_ids for i in idx], vocab, dev, sub.dtype) > 0
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        generated = []
+        for i in idx:
+            toks, k = rows[i].token_ids, rows[i].num_generated
+            generated.append(toks[len(toks) - k:] if k else ())
+        out_counts = _count_tokens(generated, vocab, dev, sub.dtype)
+        freq = _tensor([p.frequency_penalty for p in params], dev).unsqueeze(1)
+        pres = _tensor([p.presence_penalty for p in params], dev).unsqueeze(1)
+        sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
     logits = logits.clone()
     logits[_index(idx, dev)] = sub
     return logits

@@ -187,26 +187,61 @@ class ModelRunner:
 @torch.inference_mode()
 def profile_forward(model: torch.nn.Module, num_tokens: int, max_model_len: int,
                     num_seqs: int) -> int:
-    """The largest step the scheduler can send (num_tokens prompt tokens, in sequences of at most
-    max_model_len; once plain, once collecting column sums as an evicting request does), then
-    logits for num_seqs rows, on a scratch cache of exactly those tokens: what sizing the KV pool
-    measures the peak memory of. Returns the scratch cache's bytes (the pool is not an
-    activation)."""
+    """The largest steps the scheduler can send, then logits for num_seqs rows, on a scratch
+    cache: what sizing the KV pool measures the peak memory of. Returns the scratch cache's bytes
+    (the pool is not an activation). Two kinds of step, each once plain and once collecting column
+    sums as an evicting request does:
+
+        first chunks     num_tokens prompt tokens in spans of at most max_model_len (causal)
+        continued chunk  q = min(num_tokens, max_model_len) queries at the end of a view of
+                         max_model_len keys (masked: a later chunk of a long prompt builds
+                         [q, max_model_len] per-layer buffers), the other num_tokens - q tokens
+                         as first chunks
+
+    The scratch cache holds max(num_tokens, max_model_len + num_tokens - q) slots."""
     cfg, dev = model.config, model.embed.device
-    kv = torch.zeros(cfg.num_hidden_layers, num_tokens, 2, model.num_kv_heads, cfg.head_dim,
-                     dtype=model.embed.dtype, device=dev)
-    starts = range(0, num_tokens, max_model_len)
-    ends = [min(s + max_model_len, num_tokens) for s in starts]
-    positions = torch.cat([torch.arange(e - s, device=dev) for s, e in zip(starts, ends)])
-    for colsum in (False, True):
-        spans = [PrefillSpan(s, e, torch.arange(s, e, device=dev), None,
-                             torch.zeros(e - s, device=dev) if colsum else None)
-                 for s, e in zip(starts, ends)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=dev), num_decodes=0,
-            decode_views=torch.full((0, 1), -1, dtype=torch.int64, device=dev),
-            decode_lens=torch.zeros(0, dtype=torch.int64, device=dev), prefills=spans)
-        hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=dev), positions, kv,
-                       meta)
-        torch.softmax(model.compute_logits(hidden[:num_seqs]), dim=-1)
+    q = min(num_tokens, max_model_len)
+    kv = torch.zeros(cfg.num_hidden_layers, max(num_tokens, max_model_len + num_tokens - q), 2,
+                     model.num_kv_heads, cfg.head_dim, dtype=model.embed.dtype, device=dev)
+    for step in profile_steps(num_tokens, max_model_len, dev):
+        for colsum in (False, True):
+            spans = [PrefillSpan(s.q_start, s.q_end, s.kv_slots, s.mask,
+                                 torch.zeros(len(s.kv_slots), device=dev) if colsum else None)
+                     for s in step["spans"]]
+            meta = AttentionMetadata(
+                slot_mapping=step["slot_mapping"], num_decodes=0,
+                decode_views=torch.full((0, 1), -1, dtype=torch.int64, device=dev),
+                decode_lens=torch.zeros(0, dtype=torch.int64, device=dev), prefills=spans)
+            hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+                           step["positions"], kv, meta)
+            torch.softmax(model.compute_logits(hidden[:num_seqs]), dim=-1)
+            del hidden, meta, spans
     return kv.numel() * kv.element_size()
+
+
+def profile_steps(num_tokens: int, max_model_len: int, dev) -> List[dict]:
+    """profile_forward's steps (see there): each {"spans", "positions", "slot_mapping"}."""
+    def first_chunks(lo: int, n: int, slot0: int):
+        starts = range(lo, lo + n, max_model_len)
+        ends = [min(s + max_model_len, lo + n) for s in starts]
+        spans = [PrefillSpan(s, e, torch.arange(slot0 + s - lo, slot0 + e - lo, device=dev), None)
+                 for s, e in zip(starts, ends)]
+        pos = [torch.arange(e - s, device=dev) for s, e in zip(starts, ends)]
+        return spans, pos
+
+    spans, pos = first_chunks(0, num_tokens, 0)
+    steps = [{"spans": spans, "positions": torch.cat(pos),
+              "slot_mapping": torch.arange(num_tokens, device=dev)}]
+    q = min(num_tokens, max_model_len)
+    computed = max_model_len - q                  # the chunk's first logical id
+    view = torch.arange(max_model_len, device=dev)
+    q_ids = torch.arange(computed, max_model_len, device=dev)
+    mask = view[None, :] <= q_ids[:, None]        # [q, max_model_len], as _prefill_span builds
+    rest_spans, rest_pos = first_chunks(q, num_tokens - q, max_model_len)
+    steps.append({"spans": [PrefillSpan(0, q, view, mask)] + rest_spans,
+                  "positions": torch.cat([q_ids] + rest_pos),
+                  "slot_mapping": torch.cat([torch.arange(computed, max_model_len, device=dev),
+                                             torch.arange(max_model_len,
+                                                          max_model_len + num_tokens - q,
+                                                          device=dev)])})
+    return steps

@@ -48,6 +48,17 @@ def kv_blocks_for_memory(total: int, used: int, utilization: float, block_bytes:
     return budget // block_bytes
 
 
+def runner_buffer_bytes(max_tokens: int, max_seqs: int, max_view_len: int, graphs: bool) -> int:
+    """Device bytes the model runner holds besides the pool and what a forward allocates, all
+    made after sizing: its InputBuffers (int64: input_ids, positions, slot_mapping [max_tokens],
+    view_lens [max_seqs], view_slots [max_seqs, max_view_len] twice: packed as uploaded and
+    as the attention reads it), a step's decode mass (float32 [max_seqs, max_view_len], made per
+    step) and, with CUDA graphs, the graph runner's own mass table of that shape."""
+    grid = max_seqs * max_view_len
+    inputs = 8 * (3 * max_tokens + max_seqs + 2 * grid)
+    return inputs + 4 * grid * (2 if graphs else 1)
+
+
 class Worker:
     def __init__(self, config: VllmConfig, rank: int = 0, tp: Optional[TPGroup] = None):
         self.config = config
@@ -124,10 +135,11 @@ class Worker:
 
     def _num_gpu_blocks(self) -> int:
         """Upstream's rule: the pool gets --gpu-memory-utilization of the GPU's total memory
-        less the peak a profiling forward of --max-num-batched-tokens reaches (weights,
-        activations, logits) and what is held outside torch's allocator (CUDA context, other
-        processes)."""
-        sc = self.config.scheduler_config
+        less the peak a profiling forward of the largest steps reaches (weights, activations,
+        logits: profile_forward), what is held outside torch's allocator (CUDA context, other
+        processes) and the model runner's buffers, which are made after the pool
+        (runner_buffer_bytes)."""
+        sc, c = self.config.scheduler_config, self.config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         scratch = profile_forward(self.model, sc.max_num_batched_tokens, sc.max_model_len,
@@ -137,10 +149,13 @@ class Worker:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         outside = max(total - free - torch.cuda.memory_allocated(), 0)
-        self.gpu_memory_profile = {"total": total, "peak": peak, "outside": outside}
-        return kv_blocks_for_memory(total, peak + outside,
-                                    self.config.cache_config.gpu_memory_utilization,
-                                    self.block_bytes())
+        graphs = not c.model_config.enforce_eager and self.tp.world_size == 1
+        buffers = runner_buffer_bytes(sc.max_num_batched_tokens, sc.max_num_seqs,
+                                      sc.max_model_len, graphs=graphs)
+        self.gpu_memory_profile = {"total": total, "peak": peak, "outside": outside,
+                                   "buffers": buffers}
+        return kv_blocks_for_memory(total, peak + outside + buffers,
+                                    c.cache_config.gpu_memory_utilization, self.block_bytes())
 
     def initialize_cache(self, num_blocks: int) -> None:
         """The KV pool of num_blocks blocks (the same number on every rank, so block ids mean the
