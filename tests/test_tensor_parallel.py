@@ -131,10 +131,14 @@ def test_killed_worker_is_a_clear_error_and_nothing_is_left(tiny_llama):
 def test_shutdown_and_garbage_collection_leave_no_worker(tiny_llama):
     import gc
     llm = LLM(tiny_llama, tensor_parallel_size=2, num_gpu_blocks_override=32)
-    (worker,) = llm.llm_engine.model_executor.procs
+    executor = llm.llm_engine.model_executor
+    (worker,) = executor.procs
+    shm = executor.tp.shm            # the forward's sums went through shared memory
+    segment = f"/dev/shm/{shm.name.lstrip('/')}"
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+    assert shm.calls > 0 and os.path.exists(segment)
     llm.llm_engine.shutdown()
-    assert not worker.is_alive()
+    assert not worker.is_alive() and not os.path.exists(segment)
     llm = LLM(tiny_llama, tensor_parallel_size=2, num_gpu_blocks_override=32)
     (worker,) = llm.llm_engine.model_executor.procs
     del llm

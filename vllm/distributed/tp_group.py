@@ -5,6 +5,10 @@
     gather_vocab(logits)  rank 0 gets [rows, vocab] from every rank's [rows, vocab shard]
     broadcast_object(x)   rank 0's picklable x on every rank (the step input, control calls)
 
+On one host (the mp executor) float32 sums up to `shm_floats` go through shared memory
+(ShmAllReduce, ~25x faster than gloo's all-reduce on the 2-core host); larger ones, other ops and
+other devices use the process group.
+
 World size 1 is the same object with nothing to talk to: every call returns at once, so the
 single-process model and worker run the same code. The group is a torch.distributed process
 group built straight on a TCPStore (gloo on CPU, NCCL on CUDA), not the process-wide default
@@ -13,10 +17,12 @@ group: two engines in one process (tests, a server and a benchmark) each get the
 import datetime
 import pickle
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from vllm.distributed.shm_all_reduce import ShmAllReduce
 
 # a worker that hangs (not dies: a dead one closes its sockets and fails the collective at once)
 # fails the step after this long
@@ -34,17 +40,27 @@ def rank_device(device: str, rank: int, world_size: int) -> torch.device:
 class TPGroup:
     def __init__(self, rank: int = 0, world_size: int = 1, host: str = "127.0.0.1",
                  port: int = 0, device: torch.device = torch.device("cpu"),
-                 timeout_s: float = DEFAULT_TIMEOUT_S, connect: bool = True):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, connect: bool = True,
+                 shm_floats: int = 0, peer_alive: Optional[Callable[[], bool]] = None):
         """Rank 0 hosts the store (port 0: any free port, read it from .port); connect=False
-        leaves joining the group (which waits for every rank) to connect()."""
+        leaves joining the group (which waits for every rank) to connect(). shm_floats > 0
+        (ranks on one host, CPU): sums of up to that many floats go through shared memory;
+        peer_alive tells that path whether the other ranks are still there."""
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = self.pg = None
+        self.store = self.pg = self.shm = None
         self.comm_seconds = 0.0        # host time spent waiting in collectives (benchmarks)
         if world_size == 1:
             return
         self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout,
                                    wait_for_workers=False)
+        self.shm: Optional[ShmAllReduce] = None
+        if shm_floats and self.device.type == "cpu":
+            name = None if rank == 0 else self.store.get("shm_all_reduce").decode()
+            self.shm = ShmAllReduce(rank, world_size, shm_floats, name, timeout_s)
+            self.shm.peer_alive = peer_alive or (lambda: True)
+            if rank == 0:
+                self.store.set("shm_all_reduce", self.shm.name)
         if connect:
             self.connect()
 
@@ -59,7 +75,11 @@ class TPGroup:
         return self.store.port if self.store is not None else 0
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if self.pg is not None:
+        if self.shm is not None and op == "sum" and self.shm.fits(t):
+            t0 = time.perf_counter()
+            self.shm(t)
+            self.comm_seconds += time.perf_counter() - t0
+        elif self.pg is not None:
             opts = dist.AllreduceOptions()
             opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op]
             self._wait(self.pg.allreduce([t], opts))
@@ -109,4 +129,6 @@ class TPGroup:
             self.all_reduce(torch.zeros(1, device=self.device))
 
     def shutdown(self) -> None:
-        self.pg = self.store = None
+        if self.shm is not None:
+            self.shm.close()
+        self.pg = self.store = self.shm = None

@@ -24,6 +24,12 @@ from vllm.executor.tp_driver_executor import JOIN_TIMEOUT_S, TPDriverExecutor, r
 logger = logging.getLogger(__name__)
 
 
+def shm_floats(config: VllmConfig) -> int:
+    """The largest all-reduce of the model's forward: hidden states of a full step."""
+    return config.model_config.hf_config.hidden_size * \
+        config.scheduler_config.max_num_batched_tokens
+
+
 def worker_main(config: VllmConfig, rank: int, port: int, cores: List[int], conn) -> None:
     """A spawned rank: join the group, load its shard, then run rank 0's calls until shutdown.
     Any failure is reported on `conn` and ends the process (which fails rank 0's collective)."""
@@ -31,8 +37,11 @@ def worker_main(config: VllmConfig, rank: int, port: int, cores: List[int], conn
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
         n = config.parallel_config.tensor_parallel_size
+        parent = os.getppid()
         serve_rank(config, rank, TPGroup(rank, n, port=port,
-                                         device=rank_device(config.model_config.device, rank, n)))
+                                         device=rank_device(config.model_config.device, rank, n),
+                                         shm_floats=shm_floats(config),
+                                         peer_alive=lambda: os.getppid() == parent))
     except BaseException as e:   # noqa: BLE001 -- reported, then the process ends
         try:
             conn.send(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -41,12 +50,14 @@ def worker_main(config: VllmConfig, rank: int, port: int, cores: List[int], conn
     conn.close()
 
 
-def _kill(procs: List[multiprocessing.Process]) -> None:
-    """Kill the workers still running (run by shutdown and by weakref.finalize)."""
+def _kill(procs: List[multiprocessing.Process], tp: TPGroup) -> None:
+    """Kill the workers still running and release rank 0's group, its shared memory too (run by
+    shutdown and by weakref.finalize)."""
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(JOIN_TIMEOUT_S)
+    tp.shutdown()
 
 
 def _last_words(conn) -> Optional[str]:
@@ -61,10 +72,12 @@ class MultiprocExecutor(TPDriverExecutor):
     def __init__(self, config: VllmConfig):
         super().__init__(config)
         n = config.parallel_config.tensor_parallel_size
-        self.tp = TPGroup(0, n, device=rank_device(config.model_config.device, 0, n),
-                          connect=False)
-        ctx = multiprocessing.get_context("spawn")
         self.procs: List[multiprocessing.Process] = []
+        procs = self.procs     # (not self: the group must not keep the executor alive)
+        self.tp = TPGroup(0, n, device=rank_device(config.model_config.device, 0, n),
+                          connect=False, shm_floats=shm_floats(config),
+                          peer_alive=lambda: all(p.is_alive() for p in procs))
+        ctx = multiprocessing.get_context("spawn")
         self.conns = []
         for rank in range(1, n):
             ours, theirs = ctx.Pipe(duplex=False)
@@ -75,7 +88,7 @@ class MultiprocExecutor(TPDriverExecutor):
             theirs.close()
             self.procs.append(p)
             self.conns.append(ours)
-        self._finalizer = weakref.finalize(self, _kill, self.procs)
+        self._finalizer = weakref.finalize(self, _kill, self.procs, self.tp)
         self.driver_worker = self._guard(self._start, config)
 
     def _failed_worker(self) -> Optional[Tuple[int, str, str]]:
