@@ -38,9 +38,9 @@
                monotone in C. The frontier is searched from a guess, refined by each passing
                trial's pool peak, then bisected.
 
-    python benchmarks/benchmark_tp.py            # all parts (~7 min on a quiet 2-core host)
+    python benchmarks/benchmark_tp.py            # all parts (~6 min on a quiet 2-core host)
     python benchmarks/benchmark_tp.py --quick    # batch 1 and 32, 1 round, fewer iterations,
-                                                 # capacity at TP 1/2/4 (~3 min)
+                                                 # capacity at TP 1/2/4 (~2 min)
     python benchmarks/benchmark_tp.py --parts throughput --rounds 5   # rerun one part
 """
 import json
