@@ -16,8 +16,9 @@ MIB = 1 << 20
 
 
 def test_runner_buffer_bytes_is_what_the_runner_allocates():
-    """The exact bytes of InputBuffers as the CUDA runner lays them out (staged: device buffers
-    plus the view grid), and the mass tables (CudaGraphRunner's and a step's decode mass)."""
+    """The exact bytes of InputBuffers as the CUDA runner lays them out (staged: device buffers,
+    the view table and the patch staging area), and the mass tables (CudaGraphRunner's and a
+    step's decode mass)."""
     t, s, w = 48, 5, 37
     buffers = InputBuffers(t, s, w, "cpu", staging=2)     # the CUDA layout, on CPU tensors
     held = sum(v.numel() * v.element_size() for v in buffers._dev.values()) + \
@@ -64,7 +65,8 @@ def test_gpu_block_count_includes_the_runner_buffers(monkeypatch, enforce_eager)
     blocks = w._num_gpu_blocks()
     assert calls == ["reset", (8192, 131072, 64)]
     grid = 64 * 131072
-    buffers = 8 * (3 * 8192 + 64 + 2 * grid) + 4 * grid * (1 if enforce_eager else 2)
+    chunk = 8192 + 64                                    # patch_chunk
+    buffers = 8 * (3 * 8192 + 64 + 2 * chunk + grid) + 4 * grid * (1 if enforce_eager else 2)
     peak = max_alloc - scratch
     outside = total - free - alloc
     assert blocks == (int(total * 0.9) - peak - outside - buffers) // (2 * MIB)

@@ -1,10 +1,12 @@
 """InputBuffers on CPU: in-place updates at fixed addresses, -1 / 0 padding past the step's
-extent (also where a previous, larger step wrote), capacity errors. Graph replay: tests/gpu."""
+extent (also where a previous, larger step wrote), capacity errors, the view table patched from
+view deltas (ViewRows) with O(batch) bytes staged per decode step. Graph replay: tests/gpu."""
 import numpy as np
 import pytest
 import torch
 
 from vllm.worker.input_buffers import InputBuffers
+from vllm.worker.view_rows import ViewRows, flat_ranges
 
 
 def addresses(b):
@@ -87,7 +89,7 @@ def test_double_buffered_staging_alternates_and_matches_unstaged():
     log = []
     for i, m in enumerate(staged.mirrors):
         m.uploaded = LoggedEvent(log, i)
-    host_ptrs = {m["view_slots"].data_ptr() for m in staged.mirrors}
+    host_ptrs = {m["patch"].data_ptr() for m in staged.mirrors}
     assert len(host_ptrs) == 2 and staged.view_slots.data_ptr() not in host_ptrs
     before = addresses(staged)
     rng = np.random.default_rng(0)
@@ -108,3 +110,111 @@ def test_staging_is_cpu_optional_and_cuda_only_by_default():
     assert InputBuffers(4, 2, 3).mirrors == []          # CPU: the host tensors are the buffers
     with pytest.raises(AssertionError, match="staging"):
         InputBuffers(4, 2, 3, staging=1)
+
+
+def test_flat_ranges_and_view_rows_example():
+    assert flat_ranges(np.array([0, 2]), np.array([1, 0]), np.array([3, 2]), 4).tolist() == \
+        [1, 2, 8, 9]
+    rows = ViewRows(4, 10)
+    views = [np.arange(5), np.arange(10, 12), np.arange(20, 24)]
+    rows.patch(views, np.array([7, 8, 9]), np.zeros(3, np.int64))
+    views = [np.append(v, 99 + i) for i, v in enumerate(views)]
+    p = rows.patch(views, np.array([7, 8, 9]), np.array([5, 2, 4]))
+    assert p.idx.tolist() == [5, 12, 24] and p.val.tolist() == [99, 100, 101]
+    assert len(p.move_src) == 0
+    # request 8 finished: row 2 moves up into row 1, row 2 is cleared
+    p = rows.patch([np.append(views[0], 50), np.append(views[2], 51)], np.array([7, 9]),
+                   np.array([6, 5]))
+    assert (p.move_src.tolist(), p.move_dst.tolist(), p.move_width) == ([2], [1], 5)
+    assert p.idx.tolist()[:2] == [6, 15] and p.val.tolist()[:2] == [50, 51]
+    assert sorted(p.idx.tolist()[2:]) == list(range(20, 25)) and set(p.val[2:]) == {-1}
+
+
+class Traffic:
+    """Decode steps as the engine sends them: requests arrive and finish, rows reorder, most
+    rows append one slot, some keep a prefix (eviction) or are rebuilt (relocation); a request
+    that sat out a step comes back whole (the ViewStore forgot it). Yields (views, handles,
+    keep)."""
+
+    def __init__(self, seed: int, max_seqs: int, max_view_len: int):
+        self.rng = np.random.default_rng(seed)
+        self.max_seqs, self.width = max_seqs, max_view_len
+        self.views, self.previous, self.next_handle = {}, set(), 0
+
+    def step(self):
+        rng = self.rng
+        for h in list(self.views):
+            if rng.random() < 0.08 or len(self.views[h]) >= self.width:
+                del self.views[h]
+        while len(self.views) < self.max_seqs and rng.random() < 0.4:
+            self.views[self.next_handle] = rng.integers(0, 1000, rng.integers(1, self.width))
+            self.next_handle += 1
+        handles = [h for h in self.views if rng.random() < 0.9]     # the rest sit out
+        if rng.random() < 0.3:
+            rng.shuffle(handles)
+        keep = []
+        for h in handles:
+            v, k = self.views[h], len(self.views[h])
+            r = rng.random()
+            if h not in self.previous:
+                k = 0
+            elif r < 0.1:
+                k = 0
+                v = rng.integers(0, 1000, rng.integers(1, self.width))
+            elif r < 0.2:
+                k = int(rng.integers(0, len(v) + 1))
+                v = v[:k]
+            self.views[h] = np.append(v, rng.integers(0, 1000))[:self.width]
+            keep.append(min(k, len(self.views[h])))
+        self.previous = set(handles)
+        return ([self.views[h].copy() for h in handles], np.array(handles, np.int64),
+                np.array(keep, np.int64))
+
+
+def expected_table(views, max_seqs, width):
+    grid = np.full((max_seqs, width), -1, np.int64)
+    for i, v in enumerate(views):
+        grid[i, :len(v)] = v
+    return grid
+
+
+@pytest.mark.parametrize("staging,chunk", [(0, None), (2, None), (2, 6)])
+def test_patched_view_table_equals_the_views(staging, chunk):
+    """Random decode traffic through the delta path: after every step the table is exactly the
+    views, -1 past each row's length and in every row past the step's last (unstaged, staged,
+    and staged in pieces of 6 pairs)."""
+    max_seqs, width = 6, 24
+    buf = InputBuffers(max_tokens=8, max_seqs=max_seqs, max_view_len=width, staging=staging,
+                       chunk=chunk)
+    traffic = Traffic(1, max_seqs, width)
+    for _ in range(150):
+        views, handles, keep = traffic.step()
+        b = len(views)
+        buf.update(np.arange(b), np.arange(b), np.arange(b), views, handles, keep)
+        assert buf.view_slots.numpy().tolist() == expected_table(views, max_seqs, width).tolist()
+        assert buf.view_lens[:b].tolist() == [len(v) for v in views]
+
+
+def test_decode_step_stages_bytes_in_proportion_to_the_batch():
+    """A steady decode step uploads 48 bytes per row (3 token buffers, view_lens, one (index,
+    value) pair), however long the views; a row whose view was rebuilt after an eviction adds
+    its new view and the -1s over what it no longer holds, and nothing else."""
+    b, width = 4, 4096
+    buf = InputBuffers(max_tokens=16, max_seqs=8, max_view_len=width, staging=2)
+    views = [np.arange(1000 * i, 1000 * i + 900) for i in range(b)]
+    handles = np.arange(b)
+    buf.update(np.zeros(b), np.zeros(b), np.zeros(b), views, handles, np.zeros(b, np.int64))
+    for step in range(5):
+        keep = np.array([len(v) for v in views])
+        views = [np.append(v, 5000 + step) for v in views]
+        buf.update(np.zeros(b), np.zeros(b), np.zeros(b), views, handles, keep)
+        assert buf.staged_bytes == 48 * b
+    keep = np.array([len(v) for v in views])
+    old = len(views[2])
+    views = [np.append(v, 6000) for v in views]
+    views[2] = views[2][::3]                      # evicted: rebuilt, keep 0
+    keep[2] = 0
+    buf.update(np.zeros(b), np.zeros(b), np.zeros(b), views, handles, keep)
+    rebuilt = len(views[2]) + (old - len(views[2]))    # its new slots, then -1 over the rest
+    assert buf.staged_bytes == 48 * b - 16 + 16 * rebuilt
+    assert buf.view_slots.numpy().tolist() == expected_table(views, 8, width).tolist()

@@ -14,6 +14,11 @@ every time; after a relocation only their contents change (no recapture). Layout
 Everything past this step's extent is padding, so a graph captured for a larger batch reads
 padding rows.
 
+The view table is patched, not rewritten: ViewRows (worker/view_rows.py) knows which handle's
+view each row holds, so a steady decode step sends one slot per row, and only a changed row
+(new, rebuilt after eviction or relocation, moved up when a request left) is sent whole. A
+step's upload is O(batch): its tokens, view_lens and the patch; `staged_bytes` counts it.
+
 Staging. On CUDA a step's values are written into a pinned host mirror and uploaded with
 non-blocking copies on the current stream. There are two mirrors, used in turn:
 
@@ -21,16 +26,20 @@ non-blocking copies on the current stream. There are two mirrors, used in turn:
     step k+1   write mirror (k+1) % 2 while step k's upload may still be in flight
     step k+2   mirror k % 2 again: wait for its event (the upload of two steps ago; long done)
 
-so `update` never waits for the previous step's upload. Each upload writes everything up to
-the larger of this and the previous step's extent from the mirror, and every mirror entry it
-sends is rewritten this step, so what a mirror held two steps ago never reaches the device.
-On CPU the host tensors are the buffers (no staging) unless `staging=2` is asked for, which
-runs the same alternation with CPU tensors as mirrors (tests).
+so `update` never waits for the previous step's upload. Token uploads cover everything up to
+the larger of this and the previous step's extent, and every mirror entry sent is rewritten this
+step, so what a mirror held two steps ago never reaches the device. The patch goes up through a
+fixed device staging area in pieces of at most `chunk` (index, value) pairs, each applied before
+the next is copied (stream order). On CPU the host tensors are the buffers and the patch is
+applied directly, unless `staging=2` is asked for, which runs the same path with CPU tensors as
+mirrors (tests).
 """
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+from vllm.worker.view_rows import ViewPatch, ViewRows
 
 _TOKEN_PAD = {"input_ids": 0, "positions": 0, "slot_mapping": -1}
 
@@ -46,14 +55,16 @@ class _Done:
 
 
 class _Mirror:
-    """One host copy of every buffer (pinned on CUDA) and the event of its last upload."""
+    """One host copy of the token buffers, view_lens and the patch (pinned on CUDA), and the
+    event of its last upload. The patch area grows when a step's patch does not fit."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_view_len: int, pinned: bool):
+    def __init__(self, max_tokens: int, max_seqs: int, patch_entries: int, pinned: bool):
+        self.pinned = pinned
         full = lambda n, v: torch.full((n,), v, dtype=torch.int64, pin_memory=pinned)  # noqa: E731
         self.tensors: Dict[str, torch.Tensor] = {name: full(max_tokens, pad)
                                                  for name, pad in _TOKEN_PAD.items()}
         self.tensors["view_lens"] = full(max_seqs, 0)
-        self.tensors["view_slots"] = full(max_seqs * max_view_len, -1)  # [rows, width] packed
+        self.tensors["patch"] = full(patch_entries, 0)
         self.arrays = {name: t.numpy() for name, t in self.tensors.items()}  # same memory
         self.uploaded = torch.cuda.Event() if pinned else _Done()
         self.uses = 0                      # steps written through this mirror
@@ -61,16 +72,25 @@ class _Mirror:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
+    def patch_area(self, entries: int) -> np.ndarray:
+        if entries > len(self.arrays["patch"]):
+            t = torch.zeros(max(entries, 2 * len(self.arrays["patch"])), dtype=torch.int64,
+                            pin_memory=self.pinned)
+            self.tensors["patch"], self.arrays["patch"] = t, t.numpy()
+        return self.arrays["patch"]
+
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_view_len: int, device="cpu",
-                 staging: Optional[int] = None):
+                 staging: Optional[int] = None, chunk: Optional[int] = None):
         self.device = torch.device(device)
         self.max_tokens, self.max_seqs, self.max_view_len = max_tokens, max_seqs, max_view_len
+        self.chunk = chunk or patch_chunk(max_tokens, max_seqs)
         cuda = self.device.type == "cuda"
         staging = (2 if cuda else 0) if staging is None else staging
         assert staging in (0, 2) and (staging or not cuda), "staging: 0 (CPU only) or 2 mirrors"
-        self.mirrors = [_Mirror(max_tokens, max_seqs, max_view_len, cuda)
+        assert self.chunk >= max_seqs, "a piece of the patch holds every row's move"
+        self.mirrors = [_Mirror(max_tokens, max_seqs, 2 * self.chunk, cuda)
                         for _ in range(staging)]
         self._turn = 0
         # the buffers themselves: on the device, or (no staging) the host tensors written directly
@@ -79,11 +99,13 @@ class InputBuffers:
                          for k, v in self.mirrors[0].tensors.items()}
             self._unstaged = None
         else:
-            self._unstaged = _Mirror(max_tokens, max_seqs, max_view_len, False)
+            self._unstaged = _Mirror(max_tokens, max_seqs, 0, False)
             self._dev = self._unstaged.tensors
         self.view_slots = torch.full((max_seqs, max_view_len), -1, dtype=torch.int64,
                                      device=self.device)
+        self.rows = ViewRows(max_seqs, max_view_len)
         self.num_tokens = self.num_seqs = self.width = 0
+        self.staged_bytes = 0              # host-to-device bytes of the last update
 
     # the buffers a graph captures (full size; rows and tokens past this step are padding)
     input_ids = property(lambda self: self._dev["input_ids"])
@@ -92,8 +114,11 @@ class InputBuffers:
     view_lens = property(lambda self: self._dev["view_lens"])
 
     def update(self, input_ids: Sequence[int], positions: Sequence[int],
-               slot_mapping: Sequence[int], views: List[np.ndarray]) -> None:
-        """Write one step's inputs in place; what the previous step used beyond them is reset."""
+               slot_mapping: Sequence[int], views: List[np.ndarray],
+               handles: Optional[np.ndarray] = None, keep: Optional[np.ndarray] = None) -> None:
+        """Write one step's inputs in place; what the previous step used beyond them is reset.
+        handles / keep: each view's handle and the slots it keeps from that handle's previous
+        view (StepInput.view_handles / view_keep); without them every row is sent whole."""
         n, rows = len(input_ids), len(views)
         lens = np.fromiter((len(v) for v in views), np.int64, rows)
         width = int(lens.max()) if rows else 0
@@ -103,18 +128,17 @@ class InputBuffers:
                              f"{self.max_view_len})")
         host = self._next_mirror()
         a = host.arrays                    # numpy views of the host tensors: no torch op here
-        t_hi, r_hi, w_hi = max(n, self.num_tokens), max(rows, self.num_seqs), max(width, self.width)
+        t_hi, r_hi = max(n, self.num_tokens), max(rows, self.num_seqs)
         for name, values in (("input_ids", input_ids), ("positions", positions),
                              ("slot_mapping", slot_mapping)):
             a[name][n:t_hi] = _TOKEN_PAD[name]
             a[name][:n] = values
         a["view_lens"][:r_hi] = 0
         a["view_lens"][:rows] = lens
-        grid = a["view_slots"][:r_hi * w_hi].reshape(r_hi, w_hi)
-        grid.fill(-1)
-        for i, v in enumerate(views):
-            grid[i, :len(v)] = v
-        self._upload(host, t_hi, r_hi, w_hi)
+        patch = self.rows.patch(views, handles, keep)
+        self._upload(host, t_hi, r_hi)
+        self._apply(host, patch)
+        self.staged_bytes = 8 * (3 * t_hi + r_hi + patch.num_entries)
         self.num_tokens, self.num_seqs, self.width = n, rows, width
 
     def _next_mirror(self):
@@ -128,20 +152,53 @@ class InputBuffers:
         mirror.uses += 1
         return mirror
 
-    def _upload(self, host, tokens: int, rows: int, width: int) -> None:
-        packed = host["view_slots"][:rows * width]
-        if host is not self._unstaged:
-            for name in ("input_ids", "positions", "slot_mapping"):
-                self._dev[name][:tokens].copy_(host[name][:tokens], non_blocking=True)
-            self._dev["view_lens"][:rows].copy_(host["view_lens"][:rows], non_blocking=True)
-            staged = self._dev["view_slots"][:rows * width]
-            staged.copy_(packed, non_blocking=True)
-            packed = staged
-            host.uploaded.record()         # after the last read of this mirror
-        self.view_slots[:rows, :width].copy_(packed.view(rows, width))
+    def _upload(self, host, tokens: int, rows: int) -> None:
+        if host is self._unstaged:
+            return
+        for name in ("input_ids", "positions", "slot_mapping"):
+            self._dev[name][:tokens].copy_(host[name][:tokens], non_blocking=True)
+        self._dev["view_lens"][:rows].copy_(host["view_lens"][:rows], non_blocking=True)
+
+    def _apply(self, host, patch: ViewPatch) -> None:
+        """The patch onto view_slots: directly without staging, else through the mirror's patch
+        area and the device staging area, in pieces. Mirror layout, for pieces of c pairs:
+
+            [move_src (M), move_dst (M), idx[0:c], val[0:c], idx[c:2c], val[c:2c], ...]
+        """
+        table, m = self.view_slots, len(patch.move_src)
+        if host is self._unstaged:
+            if m:
+                src, dst = torch.from_numpy(patch.move_src), torch.from_numpy(patch.move_dst)
+                table[dst, :patch.move_width] = table[src, :patch.move_width]
+            table.view(-1)[torch.from_numpy(patch.idx)] = torch.from_numpy(patch.val)
+            host.uploaded.record()
+            return
+        area = host.patch_area(patch.num_entries)
+        area[:m], area[m:2 * m] = patch.move_src, patch.move_dst
+        pieces, at = [], 2 * m
+        for lo in range(0, len(patch.idx), self.chunk):
+            hi = min(lo + self.chunk, len(patch.idx))
+            area[at:at + hi - lo], area[at + hi - lo:at + 2 * (hi - lo)] = \
+                patch.idx[lo:hi], patch.val[lo:hi]
+            pieces.append((at, hi - lo))
+            at += 2 * (hi - lo)
+        staging, sent = self._dev["patch"], host["patch"]
+        if m:
+            staging[:2 * m].copy_(sent[:2 * m], non_blocking=True)
+            table[staging[m:2 * m], :patch.move_width] = table[staging[:m], :patch.move_width]
+        for at, c in pieces:   # stream order: a piece is applied before the next overwrites it
+            staging[:2 * c].copy_(sent[at:at + 2 * c], non_blocking=True)
+            table.view(-1)[staging[:c]] = staging[c:2 * c]
+        host.uploaded.record()             # after the last read of this mirror
 
     def step_inputs(self):
         """This step's extent: (input_ids, positions, slot_mapping, view_slots, view_lens)."""
         n, b = self.num_tokens, self.num_seqs
         return (self.input_ids[:n], self.positions[:n], self.slot_mapping[:n],
                 self.view_slots[:b, :max(self.width, 1)], self.view_lens[:b])
+
+
+def patch_chunk(max_tokens: int, max_seqs: int) -> int:
+    """(index, value) pairs per piece of a staged patch: a steady decode step (one pair per
+    row) and a full prompt's worth of changed slots go in one piece."""
+    return max_tokens + max_seqs

@@ -30,6 +30,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.tp_group import TPGroup
 from vllm.model_executor.model_loader import DTYPES, get_model
 from vllm.worker.cuda_graph_runner import CudaGraphRunner
+from vllm.worker.input_buffers import patch_chunk
 from vllm.worker.model_runner import ModelRunner, profile_forward
 from vllm.worker.relocation import RelocationExecutor
 from vllm.worker.step_input import StepInput
@@ -51,11 +52,11 @@ def kv_blocks_for_memory(total: int, used: int, utilization: float, block_bytes:
 def runner_buffer_bytes(max_tokens: int, max_seqs: int, max_view_len: int, graphs: bool) -> int:
     """Device bytes the model runner holds besides the pool and what a forward allocates, all
     made after sizing: its InputBuffers (int64: input_ids, positions, slot_mapping [max_tokens],
-    view_lens [max_seqs], view_slots [max_seqs, max_view_len] twice: packed as uploaded and
-    as the attention reads it), a step's decode mass (float32 [max_seqs, max_view_len], made per
-    step) and, with CUDA graphs, the graph runner's own mass table of that shape."""
+    view_lens [max_seqs], the view table [max_seqs, max_view_len] and the patch staging area,
+    2 * patch_chunk), a step's decode mass (float32 [max_seqs, max_view_len], made per step)
+    and, with CUDA graphs, the graph runner's own mass table of that shape."""
     grid = max_seqs * max_view_len
-    inputs = 8 * (3 * max_tokens + max_seqs + 2 * grid)
+    inputs = 8 * (3 * max_tokens + max_seqs + 2 * patch_chunk(max_tokens, max_seqs) + grid)
     return inputs + 4 * grid * (2 if graphs else 1)
 
 
