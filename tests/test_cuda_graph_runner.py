@@ -102,3 +102,84 @@ def test_runner_takes_decode_only_steps_up_to_its_largest_bucket(tiny_llama):
     assert eng.runner.buffers.view_lens[3:].eq(0).all()       # row 4 of bucket 4: padding
     assert eng.runner.buffers.slot_mapping[3:].eq(-1).all()
     eng.abort_request([str(i) for i in range(5)])
+
+
+class FakeCuda:
+    """torch.cuda's stream and graph calls as _capture makes them, on CPU: streams are names,
+    a graph records its capture, capture number `fail_at` raises in capture_end (as a capture
+    invalidated by a host sync does)."""
+
+    def __init__(self, monkeypatch, fail_at=None):
+        self.current, self.fail_at, self.begins, self.pools = "main", fail_at, [], []
+        fake = self
+
+        class Stream:
+            def __init__(self):
+                self.name = f"side{len(fake.begins)}"
+
+            def wait_stream(self, other):
+                pass
+
+        class Graph:
+            def capture_begin(self, pool=None, capture_error_mode=None):
+                assert fake.current != "main" and capture_error_mode == "thread_local"
+                fake.begins.append((fake.current, pool))
+
+            def capture_end(self):
+                if len(fake.begins) == fake.fail_at:
+                    raise RuntimeError("CUDA error: operation not permitted when stream is "
+                                       "capturing")
+
+        main = Stream()
+        main.name = "main"
+        calls = dict(current_stream=lambda: main if fake.current == "main" else fake.current,
+                     set_stream=lambda s: setattr(fake, "current", s.name if s is main else s),
+                     Stream=Stream, CUDAGraph=Graph, synchronize=lambda: None,
+                     empty_cache=lambda: None, mem_get_info=lambda: (0, 0),
+                     graph_pool_handle=lambda: fake.pools.append(object()) or fake.pools[-1])
+        for name, fn in calls.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+
+def capturing_runner(tiny_llama):
+    llm = LLM(tiny_llama, max_num_seqs=MAX_SEQS, num_gpu_blocks_override=64)
+    eng = llm.llm_engine
+    runner = CudaGraphRunner(eng.model, eng.kv_caches, eng.runner.buffers, MAX_SEQS)
+    runner.eager = False                  # as on CUDA: capture_all captures
+    return llm, runner
+
+
+def test_capture_all_captures_every_bucket_at_start_up(tiny_llama, monkeypatch, capsys):
+    """Both variants of every bucket, largest first, one pool, a progress line; the stream is
+    the caller's again after each capture; the padding-only capture writes no KV."""
+    llm, runner = capturing_runner(tiny_llama)
+    fake = FakeCuda(monkeypatch)
+    kv_before = llm.llm_engine.kv_caches.clone()
+    runner.capture_all()
+    order = [(g, m) for g in (6, 4, 2, 1) for m in (False, True)]
+    assert list(runner.graphs) == order and not runner.disabled
+    assert len(fake.pools) == 1 and all(pool is fake.pools[0] for _, pool in fake.begins)
+    assert len(fake.begins) == len(order) and fake.current == "main"
+    assert torch.equal(llm.llm_engine.kv_caches, kv_before)
+    assert "Capturing CUDA graphs" in capsys.readouterr().err
+    runner.capture_all()                  # once only
+    assert len(fake.begins) == len(order)
+
+
+def test_a_failed_capture_restores_the_stream_and_turns_graphs_off(tiny_llama, monkeypatch,
+                                                                  caplog):
+    prompts = random_prompts(4, seed=5, lo=10, hi=30)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm, runner = capturing_runner(tiny_llama)
+    plain = [o.outputs[0].token_ids for o in
+             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    fake = FakeCuda(monkeypatch, fail_at=3)
+    with caplog.at_level("WARNING", logger="vllm.worker.cuda_graph_runner"):
+        runner.capture_all(progress=False)
+    assert fake.current == "main" and runner.disabled and not runner.graphs
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "CUDA graphs are off" in warnings[0].getMessage()
+    llm.llm_engine.runner.graphs = runner
+    again = [o.outputs[0].token_ids for o in
+             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert again == plain and not runner.runs       # every step ran eagerly

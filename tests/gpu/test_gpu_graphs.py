@@ -100,9 +100,11 @@ def test_replay_equals_the_eager_forward_on_the_static_buffers(tiny_llama):
     assert graphs.accepts(inp) and graphs.bucket(inp.meta, 3) == 4
     with torch.inference_mode():
         a = eager.run(inp)
-        b = graphs.run(inp)                                    # captures, then replays
+        graphs.capture_all(progress=False)                     # every bucket, both variants
+        b = graphs.run(inp)                                    # replays
         c = graphs.run(inp)                                    # replays again
-    assert graphs.replays == 2 and list(graphs.graphs) == [(4, False)]
+    assert graphs.replays == 2 and not graphs.disabled
+    assert sorted(graphs.graphs) == [(g, m) for g in (1, 2, 4, 6) for m in (False, True)]
     assert a.shape[0] == 3 and torch.equal(b, c)
     torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)   # same kernels on the same inputs
     eng.abort_request([str(i) for i in range(3)])
@@ -123,9 +125,10 @@ def test_engine_graphs_match_enforce_eager(tiny_llama, evict):
         if eager:
             assert graphs is None
         else:
-            # the batch shrinks 6 -> 1: buckets 6, 4 (batch 3: padded), 2, 1, all replayed
-            assert {g for g, _ in graphs.graphs} == {1, 2, 4, 6} and not graphs.failed
-            assert {m for _, m in graphs.graphs} == {evict}
+            # captured at start-up: every bucket, with and without the mass; the batch shrinks
+            # 6 -> 1 through buckets 6, 4 (batch 3: padded), 2, 1, all replayed
+            assert sorted(graphs.graphs) == [(g, m) for g in (1, 2, 4, 6) for m in (False, True)]
+            assert not graphs.disabled and {m for _, m in graphs.runs} == {evict}
             assert graphs.replays == sum(graphs.runs.values()) > 0
         if evict:
             llm.llm_engine.check_invariants()

@@ -16,19 +16,21 @@ as padding, so rows B..G-1 are padding rows by construction:
                       nothing scales with the width).
     mass[:G, :]       float32, this runner's own; zeroed at the start of every replay
 
-Each bucket has up to two graphs, captured the first time a step needs them: without the
-decode mass (Native, score-free policies) and with it (H2O, TOVA, ...: policies that score
-with attention). Two variants rather than always computing the mass, so that steps which
-collect no statistics pay nothing for them, as in eager mode. The mass variant copies
-mass[:B, :width] into the step's own meta.decode_mass after replay, so the runner's statistics
-path is the eager one. Graphs share one memory pool; each is captured after a warm-up forward
-on a side stream (kernel compilation, allocator state), with the step's own inputs already in
-the buffers, which is harmless: the warm-up writes the same K/V to the same slots as the
-replay, and the mass is zeroed inside the graph.
+Every bucket has two graphs, both captured at start-up (Worker.initialize_cache, after the KV
+pool is sized, as upstream does): without the decode mass (Native, score-free policies) and with
+it (H2O, TOVA, ...: policies that score with attention; per-request policies may ask for it in
+any step). Two variants rather than always computing the mass, so that steps which collect no
+statistics pay nothing for them, as in eager mode. The mass variant copies mass[:B, :width] into
+the step's own meta.decode_mass after replay, so the runner's statistics path is the eager one.
+Capture runs largest bucket first, all graphs in one memory pool, each after warm-up forwards on
+the capture stream over the padding-only buffers (slot -1 writes nothing, length 0 reads
+nothing), with a progress line.
 
 Capture needs a decode path that never waits on the host (no .item(), no boolean-mask
-indexing: the Triton write_kv and decode kernels); a capture that raises is logged once and
-its bucket runs eagerly from then on.
+indexing: the Triton write_kv and decode kernels). A capture that raises (torch.cuda.graph's
+context manager would leave torch on the capture stream: _capture sets and restores the stream
+itself) drops every graph, restores the stream and turns graphs off with one warning: every
+step then runs eagerly.
 
 `run` replays after the relocation executor's pre_attention (the compute stream waits on the
 copies whose moves the step's views already use) and returns the hidden states of the B real
@@ -38,7 +40,9 @@ CPU tests check that padding changes no token.
 """
 import bisect
 import collections
+import gc
 import logging
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -81,7 +85,7 @@ class CudaGraphRunner:
         self.mass = torch.zeros(buffers.max_seqs, buffers.max_view_len, dtype=torch.float32,
                                 device=kv_caches.device)
         self.graphs: Dict[Tuple[int, bool], _Graph] = {}
-        self.failed: set = set()           # (bucket, mass) whose capture raised: run eagerly
+        self.disabled = False              # a capture failed: every step runs eagerly
         self.pool = None                   # one memory pool for every graph
         self.replays = 0                   # graph replays
         self.runs = collections.Counter()  # (bucket, mass) -> steps run, replayed or eager
@@ -96,8 +100,7 @@ class CudaGraphRunner:
 
     def accepts(self, inp) -> bool:
         """Whether `run` takes this ModelInput (the runner's own steps run eagerly otherwise)."""
-        g = self.bucket(inp.meta, inp.input_ids.shape[0])
-        return g is not None and (g, inp.meta.decode_mass is not None) not in self.failed
+        return not self.disabled and self.bucket(inp.meta, inp.input_ids.shape[0]) is not None
 
     # ---- one step ---------------------------------------------------------------------------
     def run(self, inp, relocation=None) -> torch.Tensor:
@@ -116,18 +119,9 @@ class CudaGraphRunner:
 
     def _forward(self, g: int, want_mass: bool) -> torch.Tensor:
         self.runs[(g, want_mass)] += 1
-        if self.eager or (g, want_mass) in self.failed:
+        if self.eager:
             return self._static_forward(self._static_meta(g, want_mass), g)
-        entry = self.graphs.get((g, want_mass))
-        if entry is None:
-            try:
-                entry = self.graphs[(g, want_mass)] = self._capture(g, want_mass)
-            except Exception as e:   # noqa: BLE001  (a model path that cannot be captured)
-                logger.warning("CUDA graph capture failed for batch %d%s (%s: %s); that step "
-                               "size runs eagerly", g, " with attention mass" if want_mass
-                               else "", type(e).__name__, e)
-                self.failed.add((g, want_mass))
-                return self._static_forward(self._static_meta(g, want_mass), g)
+        entry = self.graphs[(g, want_mass)]
         entry.graph.replay()
         self.replays += 1
         return entry.hidden
@@ -145,24 +139,67 @@ class CudaGraphRunner:
                           self.kv_caches, meta)
 
     # ---- capture (CUDA only) ----------------------------------------------------------------
+    def capture_all(self, progress: bool = True) -> None:
+        """Both variants of every bucket, largest first, into one pool; on the first failure,
+        no graphs at all (see the module docstring)."""
+        if self.eager or self.graphs or self.disabled:
+            return
+        todo = [(g, mass) for g in reversed(self.sizes) for mass in (False, True)]
+        start, before = time.perf_counter(), torch.cuda.mem_get_info()[0]
+        torch.cuda.synchronize()
+        gc.collect()
+        self.pool = torch.cuda.graph_pool_handle()
+        for g, mass in _progress(todo, progress):
+            try:
+                self.graphs[(g, mass)] = self._capture(g, mass)
+            except Exception as e:   # noqa: BLE001  (a model path that cannot be captured)
+                self._disable(g, mass, e)
+                return
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s, %.2f GiB",
+                    len(self.graphs), self.sizes[-1], self.sizes[0],
+                    time.perf_counter() - start,
+                    (before - torch.cuda.mem_get_info()[0]) / 2**30)
+
+    def _disable(self, g: int, mass: bool, error: Exception) -> None:
+        logger.warning("CUDA graph capture failed for batch %d%s (%s: %s); CUDA graphs are off, "
+                       "every step runs eagerly", g, " with attention mass" if mass else "",
+                       type(error).__name__, error)
+        self.disabled = True
+        self.graphs.clear()
+        self.pool = None
+        torch.cuda.empty_cache()
+
     def _capture(self, g: int, want_mass: bool) -> _Graph:
+        """One graph on a side stream; the caller's stream is current again afterwards, whether
+        the capture succeeded or raised."""
         meta = self._static_meta(g, want_mass)
-        current = torch.cuda.current_stream()
+        caller = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):     # compile kernels and settle the allocator first
-            for _ in range(WARMUP_FORWARDS):
-                self._static_forward(meta, g)
-        current.wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        side.wait_stream(caller)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden = self._static_forward(meta, g)
-        logger.info("captured the decode CUDA graph for batch %d%s", g,
-                    " with attention mass" if want_mass else "")
+        torch.cuda.set_stream(side)
+        try:
+            for _ in range(WARMUP_FORWARDS):     # compile kernels, settle the allocator
+                self._static_forward(meta, g)
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                hidden = self._static_forward(meta, g)
+            finally:
+                graph.capture_end()              # ends the stream's capture even on failure
+        finally:
+            torch.cuda.set_stream(caller)
+        caller.wait_stream(side)
         return _Graph(graph, hidden, meta)
 
     def stats(self) -> dict:
-        return {"graphs": sorted(self.graphs), "failed": sorted(self.failed),
+        return {"graphs": sorted(self.graphs), "disabled": self.disabled,
                 "replays": self.replays, "runs": dict(self.runs)}
+
+
+def _progress(items: list, show: bool):
+    """items with a progress line on stderr (upstream prints one while capturing)."""
+    if not show:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc="Capturing CUDA graphs (decode)", unit="graph")

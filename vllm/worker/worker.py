@@ -177,6 +177,7 @@ class Worker:
                 and self.tp.world_size == 1:
             self.model_runner.graphs = CudaGraphRunner(self.model, self.kv_caches,
                                                        self.model_runner.buffers, sc.max_num_seqs)
+            self.model_runner.graphs.capture_all()
         if c.kv_config.reclaims:
             self.relocation = RelocationExecutor(self.kv_caches,
                                                  force_sync=c.kv_config.reclaim_force_sync,
