@@ -13,6 +13,7 @@ import time
 from typing import List, Optional
 
 import httpx
+import openai
 import uvicorn
 
 from vllm.engine.arg_utils import EngineArgs
@@ -81,6 +82,20 @@ def serve(model: str, served_name: str = "tiny", api_key=None, options=None, **e
                                           options=options))
 
 
+def served(model_dir: str, **engine_kwargs):
+    """For module fixtures (`yield from served(...)`): a server thread on its own engine
+    (srv.engine), left with every block back in the pool."""
+    engine, srv = serve(model_dir, **engine_kwargs)
+    with srv:
+        srv.engine = engine
+        yield srv
+        wait_until_clean(engine)
+
+
+def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
 def engine_state(engine: AsyncLLMEngine) -> dict:
     """Checks accounting and reports what the engine still holds."""
     def probe(e):
@@ -111,6 +126,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def vllm_command() -> List[str]:
+    """The `vllm` console script of this environment (the module where it is not installed)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "vllm.entrypoints.cli"]
+
+
+def wait_healthy(proc: subprocess.Popen, get, timeout: float = 90.0) -> None:
+    """Until get("/health") answers 200; the server's output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 20.0) -> int:
+    """SIGINT (Ctrl-C) and its exit code; killed, and an error, if it does not exit."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
 
 
 def _stat(pid: int) -> Optional[List[str]]:

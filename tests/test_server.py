@@ -5,7 +5,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import CHAT_TEMPLATE, chat_model_dir, serve, wait_until_clean
+from tests.server_utils import (CHAT_TEMPLATE, chat_model_dir, openai_client, serve, served,
+                                wait_until_clean)
 from vllm import LLM, SamplingParams
 
 PROMPTS = ["w10 w20 w30 w40", "w7 w8 w9 w100 w200 w300 w400 w5", "w450 w3"]
@@ -19,16 +20,12 @@ def model_dir(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine, srv = serve(model_dir, max_num_seqs=32)
-    with srv:
-        srv.engine = engine
-        yield srv
+    yield from served(model_dir, max_num_seqs=32)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,12 @@
 """`vllm serve` and `python -m vllm.entrypoints.openai.api_server`: flags, and one real start."""
 import dataclasses
-import os
 import shlex
-import signal
-import socket
 import subprocess
-import sys
-import time
 
 import httpx
-import openai
 import pytest
 
+from tests.server_utils import free_port, interrupt, openai_client, vllm_command, wait_healthy
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.cli import make_parser
 from vllm.entrypoints.openai.api_server import make_arg_parser, served_names
@@ -61,34 +56,17 @@ def test_cli_usage():
         make_parser().parse_args(["serve", "--kv-eviction-policy", "bogus"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_vllm_serve_starts_and_answers(tiny_llama):
     """The console script with the eviction flags, for real, then a clean SIGINT shutdown."""
-    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "vllm.entrypoints.cli"]
-    port = _free_port()
-    cmd += ["serve", tiny_llama, *shlex.split(MAKE_SERVE.replace("8000", str(port))),
+    port = free_port()
+    cmd = vllm_command() + ["serve", tiny_llama, *shlex.split(MAKE_SERVE.replace("8000", str(port))),
             "--num-gpu-blocks-override", "128", "--served-model-name", "tiny",
             "--api-key", "k3y", "--uvicorn-log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0)
+        wait_healthy(proc, lambda path: httpx.get(url + path, timeout=1))
+        client = openai_client(url, api_key="k3y")
         out = client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=20,
                                         extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 20
@@ -96,10 +74,5 @@ def test_vllm_serve_starts_and_answers(tiny_llama):
         assert 'vllm:kv_evicted_tokens_total{engine="0",model_name="tiny"}' in metrics
         assert httpx.get(url + "/v1/models").status_code == 401
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0, proc.stdout.read()
+        code = interrupt(proc)
+    assert code == 0, proc.stdout.read()

@@ -5,11 +5,8 @@ finish chunks and usage, server flags and routes, error wording, and usage.kv op
 
 Where upstream's behaviour is a choice (a status code, a message text) the test says so."""
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +14,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import chat_model_dir, serve, wait_until_clean
+from tests.server_utils import (chat_model_dir, interrupt, openai_client, serve, served,
+                                vllm_command, wait_healthy, wait_until_clean)
 from vllm.entrypoints.openai.server_options import ServerOptions
 
 PROMPT = "w10 w20 w30 w40"
@@ -33,17 +31,12 @@ def model_dir(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine, srv = serve(model_dir, max_num_seqs=32)
-    with srv:
-        srv.engine = engine
-        yield srv
-        wait_until_clean(engine)
+    yield from served(model_dir, max_num_seqs=32)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")
@@ -354,9 +347,7 @@ def test_server_load(server, flagged, tracked):
 def test_cli_flags_on_a_unix_socket(tiny_llama, tmp_path):
     """`vllm serve` with --uds and the other server flags of this file, for real."""
     sock = str(tmp_path / "vllm.sock")
-    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "vllm.entrypoints.cli"]
-    cmd += ["serve", tiny_llama, "--uds", sock, "--served-model-name", "tiny",
+    cmd = vllm_command() + ["serve", tiny_llama, "--uds", sock, "--served-model-name", "tiny",
             "--num-gpu-blocks-override", "64", "--root-path", "/api",
             "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
             "--return-tokens-as-token-ids", "--kv-usage-in-response",
@@ -365,16 +356,7 @@ def test_cli_flags_on_a_unix_socket(tiny_llama, tmp_path):
     http = httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://vllm",
                         timeout=60)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, http.get)
         assert http.get("/api/v1/models").json()["data"][0]["root"] == tiny_llama
         assert http.get("/api/load").json() == {"server_load": 0}
         assert http.get("/tokenizer_info").json()["tokenizer_class"]
@@ -384,13 +366,8 @@ def test_cli_flags_on_a_unix_socket(tiny_llama, tmp_path):
         assert set(out["usage"]["kv"]) == {"evicted_tokens", "live_tokens", "peak_blocks"}
     finally:
         http.close()
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0
+        code = interrupt(proc)
+    assert code == 0
 
 
 # ---- 5. error wording clients match on ---------------------------------------------------------
