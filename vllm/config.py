@@ -2,7 +2,7 @@
 
 Every error message names the CLI flag a user would change.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch

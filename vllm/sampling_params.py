@@ -1,6 +1,6 @@
 """SamplingParams with upstream vLLM's field names and validation."""
 import json as _json
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass
 from typing import Dict, List, Optional, Union
 
 from vllm.outputs import RequestOutputKind   # re-exported here, as upstream
