@@ -9,6 +9,7 @@ import numpy as np
 from vllm.config import KVEvictionConfig, SchedulerConfig
 from vllm.core.kv_manager import KVManager
 from vllm.core.scheduler import Scheduler
+from vllm.core.step_stats import StepStats
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence
 
@@ -35,6 +36,21 @@ def step(sched: Scheduler, kv: KVManager):
     if out.copies is not None and out.copies.batch_id is not None:
         kv.copies_done({out.copies.batch_id})
     kv.check_invariants()
+    return out
+
+
+def engine_step(sched: Scheduler, kv: KVManager):
+    """step() in the engine's order: copies complete, tokens count as computed, the KV
+    manager's after_step runs (no statistics: nothing evicts), then the sampled tokens join."""
+    out = sched.schedule()
+    if out.copies is not None and out.copies.batch_id is not None:
+        kv.copies_done({out.copies.batch_id})
+    for s, n in out.scheduled:
+        s.num_computed_tokens += n
+    kv.after_step(StepStats())
+    for s, _ in out.scheduled:
+        if s.num_computed_tokens == s.num_tokens:
+            s.append_token(7)
     return out
 
 
@@ -104,3 +120,25 @@ def test_victim_is_the_latest_request_without_a_plan(monkeypatch):
     assert sched._victim(0) is b and sched._victim(2) is c
     monkeypatch.setattr(kv, "will_free", lambda seq_id: True)
     assert sched._victim(0) is c
+
+
+def test_repacking_planned_ahead_keeps_every_row_running():
+    """Full pool: after token 35 each tail has one free slot, so the next two tokens need a
+    block each. The KV manager plans that repacking right after the step; its copies run with
+    token 36 and free the blocks token 37 takes: no request ever waits a step."""
+    kv, sched, a, b = two_sparse_requests(num_blocks=18)
+    for _ in range(5):
+        out = engine_step(sched, kv)
+        assert [s for s, _ in out.scheduled] == [a, b]
+    assert sched.num_preemptions == 0 and kv.stats()["pressure_relocations"] == 2
+    assert min(a.num_computed_tokens, b.num_computed_tokens) == 39
+
+
+def test_planning_ahead_copies_nothing_while_the_pool_has_room():
+    """Tokens 35-42 take two blocks each (at 37 and 41): exactly the 4 free ones."""
+    kv, sched, a, b = two_sparse_requests(num_blocks=22)
+    for _ in range(8):
+        engine_step(sched, kv)
+    stats = kv.stats()
+    assert kv.bm.num_free_blocks == 0 and a.num_computed_tokens == 42
+    assert stats["relocation_events"] == 0 and stats["pressure_relocations"] == 0

@@ -23,6 +23,10 @@ from vllm.core.reclaim.hole_filler import HoleFiller
 from vllm.core.step_stats import ScoreRequest, StepStats
 from vllm.sequence import Sequence
 
+# decode tokens a request appends before a repacking planned after this step frees its blocks
+# (copied in the next step, freed after it)
+RELIEVE_AHEAD_TOKENS = 2
+
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
@@ -99,6 +103,20 @@ class KVManager:
             return 0
         return self.reclaimer.relieve(list(self.seqs.values()), shortfall)
 
+    def _relieve_ahead(self) -> None:
+        """Plans made now are copied next step and free their blocks for the step after: plan
+        for the blocks the decoding requests need over those two steps beyond the free ones,
+        so that none waits a step for repacking. (Prefill chunks are sized by the scheduler's
+        budget; a chunk that finds the pool short goes through relieve() there.)"""
+        need = 0
+        for seq in self.seqs.values():
+            if seq.num_computed_tokens >= seq.num_tokens:      # its next tokens are decodes
+                holes = self._holes(seq, RELIEVE_AHEAD_TOKENS)
+                need += self.bm.blocks_to_append(seq, RELIEVE_AHEAD_TOKENS,
+                                                 0 if holes is None else len(holes))
+        if need > self.bm.num_free_blocks:
+            self.relieve(need - self.bm.num_free_blocks)
+
     def will_free(self, seq_id: str) -> bool:
         """seq has a relocation plan pending or in flight (it will give blocks back)."""
         return bool(self.reclaimer) and self.reclaimer.has_plan(seq_id)
@@ -143,6 +161,7 @@ class KVManager:
             self.eviction.after_step(r)
         if self.reclaimer:
             self.reclaimer.plan_step(list(self.seqs.values()))
+            self._relieve_ahead()
         self.monitor.after_step(self.seqs.values())
         if self.config.check_invariants:
             self.check_invariants()
