@@ -277,3 +277,92 @@ def test_default_greedy_generation_says_paris(default_dir):
     new = out[0, ids.shape[1]:].tolist()
     text = tok.decode(new, skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+# --------------------------------------------------------------------------
+# K-quants: a tiny llama GGUF of Q4_K / Q6_K / Q5_0 / Q5_1 blocks (tests/gguf_kquants.py)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    """The file, converted into a temporary cache (not the user's)."""
+    pytest.importorskip("gguf")
+    from gguf_kquants import write_llama_gguf
+
+    root = tmp_path_factory.mktemp("kquants")
+    patch = pytest.MonkeyPatch()
+    original = gguf_loader.converted_dir_for
+    patch.setattr(gguf_loader, "converted_dir_for",
+                  lambda path, cache_dir=None: original(path, cache_dir or str(root / "cache")))
+    yield write_llama_gguf(str(root / "tiny-kquants.gguf"))
+    patch.undo()
+
+
+def _kquant_llm(path, quantization, **kwargs):
+    from vllm import LLM, quant_kernels
+
+    if quantization == "gguf" and not quant_kernels.available():
+        pytest.skip("no C compiler")
+    return LLM(model=path, quantization=quantization, num_gpu_blocks_override=256, **kwargs)
+
+
+def _prompt(n: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"prompt_token_ids": torch.randint(3, 300, (n,), generator=g).tolist()}
+
+
+def test_kquant_gguf_runs_natively_close_to_float32(kquant_gguf):
+    """Every GEMM stays in its blocks (fused Q/K/V and gate/up of two types each); prompt
+    logprobs within KL 1e-4 (top 20, renormalised) and 0.01 nats of the same file dequantized to
+    float32, the greedy tokens equal."""
+    import torch
+    from gguf_kquants import LAYER_TYPES
+
+    from vllm import SamplingParams
+    from vllm.model_executor.quant_linear import QuantLinear
+    from vllm.quant_kernels import Q4_K, Q5_0, Q5_1, Q6_K
+
+    llms = {q: _kquant_llm(kquant_gguf, q) for q in ("none", "gguf")}
+    model = llms["gguf"].llm_engine.model_executor.driver_worker.model
+    qkv_parts = [(Q4_K, Q6_K), (Q5_0, Q5_1, Q5_0)]        # Q and K of layer 0 in one part
+    for layer, types, qkv in zip(model.layers, LAYER_TYPES, qkv_parts):
+        assert isinstance(layer.qkv, QuantLinear) and layer.qkv.qtypes == qkv
+        assert layer.gate_up.qtypes == (types["ffn_gate"], types["ffn_up"])
+        assert (layer.o.qtypes, layer.down.qtypes) == ((types["attn_output"],),
+                                                       (types["ffn_down"],))
+    assert model.lm_head.qtypes == (Q6_K,)
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=20, ignore_eos=True)
+    prompt = _prompt(40, seed=0)
+    ref, got = (llms[q].generate([prompt], params, use_tqdm=False)[0] for q in ("none", "gguf"))
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    for r, g in zip(ref.prompt_logprobs[1:], got.prompt_logprobs[1:]):
+        ids = sorted(set(r) & set(g))
+        assert len(ids) >= 15
+        p = torch.tensor([r[i].logprob for i in ids])
+        q = torch.tensor([g[i].logprob for i in ids])
+        assert float((p - q).abs().max()) < 0.01
+        p, q = p.softmax(0), q.softmax(0)
+        assert float((p * (p.log() - q.log())).sum()) < 1e-4
+
+
+@pytest.mark.parametrize("policy", ["h2o", "random"])
+def test_kquant_gguf_naive_evict_and_vtoken_identical(kquant_gguf, policy):
+    from vllm import SamplingParams
+
+    prompts = [_prompt(100, seed=1), _prompt(70, seed=2)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for mode in ("none", "vtoken"):
+        llm = _kquant_llm(kquant_gguf, "gguf", kv_eviction_policy=policy, kv_reclamation=mode,
+                          kv_frag_threshold=0.0, kv_min_tokens=0, kv_budget_tokens=40,
+                          kv_check_invariants=True)
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+        stats = llm.get_kv_stats()
+        assert stats["evicted_tokens"] > 0
+        if mode == "vtoken":
+            assert stats["relocation_events"] > 0
+    assert outs["none"] == outs["vtoken"]

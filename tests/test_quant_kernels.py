@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from vllm import cpu_kernels, quant_kernels
-from vllm.quant_kernels import BLOCK, BLOCK_BYTES, Q4_0, Q4_1, Q8_0
+from vllm.quant_kernels import (BLOCK, BLOCK_BYTES, BLOCK_ELEMS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+                                Q6_K, Q8_0)
 
 gguf = pytest.importorskip("gguf")
+from gguf_kquants import random_blocks  # noqa: E402
 quant_built = pytest.mark.skipif(not quant_kernels.available(), reason="no C compiler")
 
 
@@ -122,3 +124,123 @@ def test_quant_gemm_is_close_to_the_float_matmul(qtype):
     deq = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype))
     exact = torch.from_numpy(x.astype(np.float64) @ deq.astype(np.float64).T)
     assert float((y.double() - exact).norm() / exact.norm()) < 1e-4
+
+
+# ---- Q5_0 / Q5_1 and the K-quants (Q4_K, Q6_K): random block bytes, gguf's dequantizer ------
+
+def dequantize(blocks: np.ndarray, qtype: int, k: int) -> np.ndarray:
+    """W [n, k] float64 by gguf's own numpy dequantizer (independent of ours)."""
+    deq = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype))
+    return deq.reshape(blocks.shape[0], k).astype(np.float64)
+
+
+def zero_quants(blocks: np.ndarray, qtype: int) -> np.ndarray:
+    """The blocks with every quant zeroed, keeping scales and mins (w = the offset / min)."""
+    b = blocks.reshape(blocks.shape[0], -1, BLOCK_BYTES[qtype]).copy()
+    start = {Q5_0: 2, Q5_1: 4, Q4_K: 16, Q6_K: 0}[qtype]
+    stop = {Q6_K: 192}.get(qtype, BLOCK_BYTES[qtype])
+    b[..., start:stop] = 0
+    return b.reshape(blocks.shape)
+
+
+def reference_k(x: np.ndarray, blocks: np.ndarray, qtype: int):
+    """(y float64 [M, N], the sum of |terms| the kernel adds [M, N]): gguf's dequantized W times x
+    as the two-digit activation quantization sees it (d * q + ed * e per block). The kernel's
+    terms are the quant part and the offset / min part (Q6_K: signed quants, no offset)."""
+    m_rows, k = x.shape
+    qx, ex, dx, ed, _ = quant_kernels.quantize_activations(x)
+    seen = (dx.astype(np.float64).repeat(BLOCK, 1) * qx +
+            ed.astype(np.float64).repeat(BLOCK, 1) * ex)
+    w = dequantize(blocks, qtype, k)
+    if qtype == Q6_K:
+        magnitude = np.abs(w)
+    else:
+        w0 = dequantize(zero_quants(blocks, qtype), qtype, k)
+        magnitude = np.abs(w - w0) + np.abs(w0)
+    return seen @ w.T, np.abs(seen) @ magnitude.T
+
+
+KTYPES = [Q5_0, Q5_1, Q4_K, Q6_K]
+
+
+def test_zero_quants_leaves_the_offset():
+    """The test's split of W into its quant and offset parts, checked on one known block."""
+    blk = np.zeros((1, BLOCK_BYTES[Q5_0]), np.uint8)
+    blk[0, :2] = np.array([0.5], np.float16).view(np.uint8)
+    blk[0, 2:6] = [1, 0, 0, 0]               # element 0's fifth bit
+    blk[0, 6] = 0x23                         # element 0: low nibble 3, element 16: 2
+    w = dequantize(blk, Q5_0, 32)[0]
+    assert (w[0], w[16], w[1]) == (0.5 * (19 - 16), 0.5 * (2 - 16), -8.0)
+    assert (dequantize(zero_quants(blk, Q5_0), Q5_0, 32) == -8.0).all()
+
+
+@quant_built
+@pytest.mark.parametrize("qtype", KTYPES)
+def test_new_types_match_float64_block_math(isa, qtype):
+    rng = np.random.default_rng(qtype)
+    n = 37                                  # not a multiple of the 8-column chunks
+    lib = quant_kernels.library(isa)
+    for k in ((256, 512, 768) if BLOCK_ELEMS[qtype] == 256 else (32, 96, 576)):
+        blocks = random_blocks(rng, n, k, qtype)
+        assert blocks.shape[1] == quant_kernels.row_bytes(qtype, k)
+        assert lib.vq_block_bytes(qtype) == BLOCK_BYTES[qtype]
+        tblocks = torch.from_numpy(blocks)
+        for m in (1, 2, 3, 4, 5):
+            x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+            x[0, :BLOCK] = 0.0              # a zero activation block
+            y = quant_kernels.gemm(torch.from_numpy(x), tblocks, qtype, n, k, isa=isa).double()
+            ref, scale = reference_k(x, blocks, qtype)
+            err = np.abs(y.numpy() - ref)
+            assert (err <= 1e-5 * scale + 1e-6).all(), (isa, k, m, float((err / scale).max()))
+            # and close to the float product with the unquantized activations
+            exact = x.astype(np.float64) @ dequantize(blocks, qtype, k).T
+            assert np.linalg.norm(y.numpy() - exact) <= 1e-4 * np.linalg.norm(exact)
+
+
+@quant_built
+def test_q5_from_float_weights_is_close_to_the_matmul():
+    """Q5_0 / Q5_1 as gguf quantizes real weights: the whole approximation stays small."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 576)).astype(np.float32) * 0.05
+    w[5] += 0.2
+    x = rng.standard_normal((3, 576)).astype(np.float32)
+    for qtype in (Q5_0, Q5_1):
+        blocks = quantize_weight(w, qtype)
+        y = quant_kernels.gemm(torch.from_numpy(x), torch.from_numpy(blocks), qtype, 64, 576)
+        ref = x @ w.T
+        assert float(np.linalg.norm(y.numpy() - ref) / np.linalg.norm(ref)) < 0.08
+
+
+@quant_built
+def test_gemm_parts_puts_each_weight_in_its_columns(isa):
+    """Mixed types in one call (a Q4_K_M fused Q/K/V: Q4_K, Q4_K, Q6_K), with bias and
+    residual: exactly the single-weight GEMMs side by side."""
+    rng = np.random.default_rng(7)
+    k, m = 512, 5
+    parts = [(torch.from_numpy(random_blocks(rng, n, k, t)), t)
+             for n, t in ((24, Q4_K), (8, Q4_K), (13, Q6_K), (9, Q5_0))]
+    parts.append((torch.from_numpy(quantize_weight(rng.standard_normal((3, k)), Q8_0)), Q8_0))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    n = sum(b.shape[0] for b, _ in parts)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    residual = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32))
+    y = quant_kernels.gemm_parts(x, parts, k, bias, residual, isa=isa)
+    each = torch.cat([quant_kernels.gemm(x, b, t, b.shape[0], k, isa=isa) for b, t in parts], 1)
+    assert torch.equal(y, each + bias + residual)
+    assert torch.equal(quant_kernels.gemm_parts(x, parts[:1], k, isa=isa),
+                       quant_kernels.gemm(x, parts[0][0], Q4_K, 24, k, isa=isa))
+
+
+@quant_built
+def test_gemm_rejects_bad_shapes_in_c():
+    lib = quant_kernels.library(quant_kernels.active_isa())
+    x = np.zeros((1, 288), np.float32)
+    y = np.zeros((1, 4), np.float32)
+    w = np.zeros(4 * BLOCK_BYTES[Q4_K] * 2, np.uint8)
+    # 288 is a multiple of 32 but not of Q4_K's 256
+    assert lib.vq_gemm(Q4_K, w.ctypes.data, 4, 288, x.ctypes.data, 1, None, None,
+                       y.ctypes.data) == -1
+    assert lib.vq_gemm(Q5_0, w.ctypes.data, 4, 288, x.ctypes.data, 1, None, None,
+                       y.ctypes.data) == 0
+    assert lib.vq_gemm(13, w.ctypes.data, 4, 256, x.ctypes.data, 1, None, None,
+                       y.ctypes.data) == -1                     # Q5_K: not covered

@@ -1,7 +1,8 @@
 """The GGUF block-quantized GEMM of csrc/cpu/quant_kernels.c: y = x @ W^T with W [N, K] in
-GGML's Q8_0, Q4_0 or Q4_1 blocks (32 elements, fp16 scales), the activations quantized per
-32-element block to two int8 digits inside the call (see the C file's header for the exact
-math).
+GGML's Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 blocks (32 elements) or Q4_K / Q6_K super-blocks (256
+elements), the activations quantized per 32-element block to two int8 digits inside the call
+(see the C file's header for the exact math). `gemm_parts` multiplies by several weights of
+different types at once (a fused Q/K/V of a Q4_K_M file), their outputs side by side.
 
 Built and loaded like the float32 kernels (vllm/cpu_kernels.py: one library per instruction-set
 variant, the same flags, cache and CPU key); the avx512 variant uses vpdpbusd where the CPU has
@@ -11,7 +12,7 @@ known) gets the generic variant.
 import ctypes
 import functools
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -22,11 +23,14 @@ _HERE = Path(__file__).resolve().parent
 SOURCE = next((p for p in (_HERE / "_csrc" / "quant_kernels.c",
                            _HERE.parent / "csrc" / "cpu" / "quant_kernels.c") if p.exists()), None)
 
-# GGML type ids (gguf.GGMLQuantizationType) -> bytes per 32-element block
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-BLOCK = 32
+# GGML type ids (gguf.GGMLQuantizationType) -> bytes per block, elements per block
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q6_K: 210}
+BLOCK_ELEMS = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+              Q4_K: "Q4_K", Q6_K: "Q6_K"}
+BLOCK = 32              # the activations' block
+MAX_PARTS = 8           # weights per gemm_parts call
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
@@ -43,12 +47,18 @@ def library(isa: str) -> Optional[ctypes.CDLL]:
     lib.vq_isa.restype = ctypes.c_char_p
     lib.vq_block_bytes.argtypes = [_int]
     lib.vq_block_bytes.restype = _int
+    lib.vq_block_elems.argtypes = [_int]
+    lib.vq_block_elems.restype = _int
     lib.vq_uses_vnni.restype = _int
     lib.vq_quantize_rows.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     lib.vq_quantize_rows.restype = None
     lib.vq_gemm.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
     lib.vq_gemm.restype = _int
+    lib.vq_gemm_parts.argtypes = [_int, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
+    lib.vq_gemm_parts.restype = _int
     assert lib.vq_isa().decode() == isa
+    assert all(lib.vq_block_bytes(t) == BLOCK_BYTES[t] and lib.vq_block_elems(t) == BLOCK_ELEMS[t]
+               for t in BLOCK_BYTES)
     return lib
 
 
@@ -66,28 +76,64 @@ def available() -> bool:
     return library(active_isa()) is not None
 
 
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one K-element row in `qtype`'s blocks (K a multiple of its block)."""
+    assert k % BLOCK_ELEMS[qtype] == 0, (TYPE_NAMES[qtype], k)
+    return k // BLOCK_ELEMS[qtype] * BLOCK_BYTES[qtype]
+
+
+def _check_io(x: torch.Tensor, k: int, n: int, bias, residual):
+    x = x.contiguous()
+    assert x.dtype == torch.float32 and x.shape[1] == k
+    if residual is not None:
+        residual = residual.contiguous()
+        assert residual.shape == (x.shape[0], n) and residual.dtype == torch.float32
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n
+    return x, residual
+
+
+def _ptr_or_none(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
 def gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: int,
          bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
          isa: Optional[str] = None) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] (+ bias [N]) (+ residual [M, N]); `blocks` uint8
-    [N, K / 32 * block bytes] holds W in `qtype`'s GGML blocks. isa: the variant (default the
+    [N, row_bytes(qtype, K)] holds W in `qtype`'s GGML blocks. isa: the variant (default the
     active one)."""
-    x = x.contiguous()
-    m = x.shape[0]
-    assert x.dtype == torch.float32 and x.shape[1] == k and k % BLOCK == 0
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
-    assert blocks.shape == (n, k // BLOCK * BLOCK_BYTES[qtype])
-    if residual is not None:
-        residual = residual.contiguous()
-        assert residual.shape == (m, n) and residual.dtype == torch.float32
-    if bias is not None:
-        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n
-    y = torch.empty(m, n, dtype=torch.float32)
+    assert blocks.shape == (n, row_bytes(qtype, k))
+    x, residual = _check_io(x, k, n, bias, residual)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
     rc = library(isa or active_isa()).vq_gemm(
-        qtype, blocks.data_ptr(), n, k, x.data_ptr(), m,
-        None if bias is None else bias.data_ptr(),
-        None if residual is None else residual.data_ptr(), y.data_ptr())
+        qtype, blocks.data_ptr(), n, k, x.data_ptr(), x.shape[0], _ptr_or_none(bias),
+        _ptr_or_none(residual), y.data_ptr())
     assert rc == 0, "vq_gemm failed (out of memory?)"
+    return y
+
+
+def gemm_parts(x: torch.Tensor, parts: Sequence[Tuple[torch.Tensor, int]], k: int,
+               bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+               isa: Optional[str] = None) -> torch.Tensor:
+    """x [M, K] float32 @ [W_0; W_1; ...]^T -> [M, N] (+ bias [N]) (+ residual [M, N]) with
+    N = sum N_p: parts are (blocks uint8 [N_p, row_bytes(qtype_p, K)], qtype_p), up to
+    MAX_PARTS; x is quantized once for all of them."""
+    assert 1 <= len(parts) <= MAX_PARTS
+    for blocks, qtype in parts:
+        assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+        assert blocks.dim() == 2 and blocks.shape[1] == row_bytes(qtype, k)
+    p = len(parts)
+    ns = (ctypes.c_int64 * p)(*(b.shape[0] for b, _ in parts))
+    n = sum(ns)
+    x, residual = _check_io(x, k, n, bias, residual)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    rc = library(isa or active_isa()).vq_gemm_parts(
+        p, (ctypes.c_int * p)(*(t for _, t in parts)),
+        (ctypes.c_void_p * p)(*(b.data_ptr() for b, _ in parts)), ns, k, x.data_ptr(),
+        x.shape[0], _ptr_or_none(bias), _ptr_or_none(residual), y.data_ptr())
+    assert rc == 0, "vq_gemm_parts failed (out of memory?)"
     return y
 
 

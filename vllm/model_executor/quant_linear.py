@@ -1,11 +1,12 @@
-"""GGUF block-quantized linear layers (--quantization gguf): the GGUF's Q8_0 / Q4_0 / Q4_1
-weights are kept in their 32-element blocks and multiplied natively on the CPU
+"""GGUF block-quantized linear layers (--quantization gguf): the GGUF's Q8_0 / Q4_0 / Q4_1 /
+Q5_0 / Q5_1 / Q4_K / Q6_K weights are kept in their blocks and multiplied natively on the CPU
 (csrc/cpu/quant_kernels.c via vllm/quant_kernels.py), instead of dequantized to float32.
 
 `load_gguf_linears` reads the block-quantized GEMM weights of a llama GGUF (q/k/v/o, gate/up/down
 and the output projection, or the token embedding when tied) under their HF names; anything
 else (other quantization types, float tensors) is left to the float32 path. `QuantLinear` is
-Linear's counterpart: rows of blocks concatenated along the output dim (fused Q/K/V, gate/up).
+Linear's counterpart: the weights of a fused GEMM (Q/K/V, gate/up) side by side along the output
+dim, each in its own type (a Q4_K_M file mixes Q4_K and Q6_K in one fused Q/K/V).
 """
 import logging
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class QuantWeight:
-    """W [n, k] in GGML blocks: blocks uint8 [n, k / 32 * block bytes] of type qtype."""
+    """W [n, k] in GGML blocks: blocks uint8 [n, row_bytes(qtype, k)] of type qtype."""
     blocks: torch.Tensor
     qtype: int
     shape: tuple            # (n, k): HF's (out, in)
@@ -33,8 +34,8 @@ class QuantWeight:
 
 
 def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
-    """HF weight name -> QuantWeight for every Q8_0 / Q4_0 / Q4_1 GEMM weight of a llama GGUF
-    (Q and K rows un-permuted as gguf_loader does for float weights); types the kernels do not
+    """HF weight name -> QuantWeight for every GEMM weight of a llama GGUF in a type the kernels
+    cover (quant_kernels.BLOCK_BYTES; Q and K rows un-permuted as gguf_loader does for float weights); types the kernels do not
     cover are left out, with one log line."""
     import gguf
 
@@ -67,7 +68,7 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
             continue
         k, n = (int(d) for d in tensor.shape)           # GGML order: (in, out)
         blocks = np.array(tensor.data, dtype=np.uint8).reshape(n, -1)   # copy off the memmap
-        assert blocks.shape[1] == k // quant_kernels.BLOCK * quant_kernels.BLOCK_BYTES[qtype]
+        assert blocks.shape[1] == quant_kernels.row_bytes(qtype, k)
         if base == "attn_q":
             blocks = gl._reverse_llama_permute(blocks, n_head)
         elif base == "attn_k":
@@ -81,39 +82,56 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
 
 
 def group(quant: Optional[Dict[str, QuantWeight]], names: List[str]) -> Optional[List[QuantWeight]]:
-    """The QuantWeights of one fused GEMM (weights concatenated along the output dim), or None
-    when any of them is not quantized or they differ in type (then it runs in float32)."""
+    """The QuantWeights of one fused GEMM (weights side by side along the output dim, each in its
+    own type), or None when any of them is not quantized (then it runs in float32)."""
     if not quant or any(n not in quant for n in names):
         return None
     ws = [quant[n] for n in names]
-    if len({w.qtype for w in ws}) != 1 or len({w.shape[1] for w in ws}) != 1:
+    if len({w.shape[1] for w in ws}) != 1 or len(_runs(ws)) > quant_kernels.MAX_PARTS:
         return None
     return ws
 
 
+def _runs(weights: List[QuantWeight]) -> List[List[QuantWeight]]:
+    """Consecutive weights of one type together: [Q4_K, Q4_K, Q6_K] -> [[Q4_K, Q4_K], [Q6_K]]."""
+    runs: List[List[QuantWeight]] = []
+    for w in weights:
+        if runs and runs[-1][0].qtype == w.qtype:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return runs
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) (+ residual) with W in GGML blocks; the weights of a fused GEMM are
-    given in output order and their rows concatenated. Linear's interface: in_features,
-    out_features, bias, forward(x, residual). `packed` is None: the C decode layer, which fuses
-    float32 layers, is off for a layer that has a QuantLinear."""
+    given in output order, consecutive ones of one type as one part (their rows concatenated),
+    parts of different types multiplied in one call (quant_kernels.gemm_parts). Linear's
+    interface: in_features, out_features, bias, forward(x, residual). `packed` is None: the C
+    decode layer, which fuses float32 layers, is off for a layer that has a QuantLinear."""
 
     packed = None
 
     def __init__(self, weights: List[QuantWeight], bias: Optional[torch.Tensor] = None):
         super().__init__()
-        self.qtype = weights[0].qtype
         self.in_features = weights[0].shape[1]
         self.out_features = sum(w.shape[0] for w in weights)
-        blocks = torch.cat([w.blocks for w in weights]) if len(weights) > 1 \
-            else weights[0].blocks.contiguous()
-        self.blocks = nn.Parameter(blocks, requires_grad=False)
+        runs = _runs(weights)
+        self.qtypes = tuple(run[0].qtype for run in runs)
+        self.blocks = nn.ParameterList(
+            nn.Parameter(torch.cat([w.blocks for w in run]) if len(run) > 1
+                         else run[0].blocks.contiguous(), requires_grad=False) for run in runs)
+        self._parts = list(zip(self.blocks, self.qtypes))
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"type={quant_kernels.TYPE_NAMES[self.qtype]}")
+                f"type={'+'.join(quant_kernels.TYPE_NAMES[t] for t in self.qtypes)}")
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return quant_kernels.gemm(x, self.blocks, self.qtype, self.out_features,
-                                  self.in_features, self.bias, residual)
+        if len(self._parts) == 1:
+            blocks, qtype = self._parts[0]
+            return quant_kernels.gemm(x, blocks, qtype, self.out_features, self.in_features,
+                                      self.bias, residual)
+        return quant_kernels.gemm_parts(x, self._parts, self.in_features, self.bias, residual)
