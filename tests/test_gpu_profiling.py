@@ -65,7 +65,7 @@ def test_gpu_block_count_includes_the_runner_buffers(monkeypatch, enforce_eager)
     blocks = w._num_gpu_blocks()
     assert calls == ["reset", (8192, 131072, 64)]
     grid = 64 * 131072
-    chunk = 8192 + 64                                    # patch_chunk
+    chunk = 8192 + 2 * 64                                # patch_chunk
     buffers = 8 * (3 * 8192 + 64 + 2 * chunk + grid) + 4 * grid * (1 if enforce_eager else 2)
     peak = max_alloc - scratch
     outside = total - free - alloc

@@ -132,9 +132,9 @@ def test_flat_ranges_and_view_rows_example():
 
 class Traffic:
     """Decode steps as the engine sends them: requests arrive and finish, rows reorder, most
-    rows append one slot, some keep a prefix (eviction) or are rebuilt (relocation); a request
-    that sat out a step comes back whole (the ViewStore forgot it). Yields (views, handles,
-    keep)."""
+    rows append one slot, some evict (drops), some relocate (keep up to the first moved slot)
+    or go whole; a request that sat out a step comes back whole (the ViewStore forgot it).
+    Yields (views, handles, keep, drop_lens, drops)."""
 
     def __init__(self, seed: int, max_seqs: int, max_view_len: int):
         self.rng = np.random.default_rng(seed)
@@ -152,23 +152,30 @@ class Traffic:
         handles = [h for h in self.views if rng.random() < 0.9]     # the rest sit out
         if rng.random() < 0.3:
             rng.shuffle(handles)
-        keep = []
+        keep, drops = [], []
         for h in handles:
-            v, k = self.views[h], len(self.views[h])
+            v, d = self.views[h], np.empty(0, np.int64)
             r = rng.random()
-            if h not in self.previous:
+            if h not in self.previous or r < 0.1:                    # sent whole
                 k = 0
-            elif r < 0.1:
-                k = 0
-                v = rng.integers(0, 1000, rng.integers(1, self.width))
-            elif r < 0.2:
-                k = int(rng.integers(0, len(v) + 1))
-                v = v[:k]
+                if h in self.previous:
+                    v = rng.integers(0, 1000, rng.integers(1, self.width))
+            else:
+                if r < 0.4:                                          # evicted positions
+                    d = np.sort(rng.choice(len(v), int(rng.integers(1, len(v) + 1)),
+                                           replace=False))
+                    v = np.delete(v, d)
+                k = len(v)
+                if rng.random() < 0.2:                               # relocated from k on
+                    k = int(rng.integers(0, len(v) + 1))
+                    v = np.concatenate([v[:k], rng.integers(0, 1000, len(v) - k)])
             self.views[h] = np.append(v, rng.integers(0, 1000))[:self.width]
             keep.append(min(k, len(self.views[h])))
+            drops.append(d)
         self.previous = set(handles)
         return ([self.views[h].copy() for h in handles], np.array(handles, np.int64),
-                np.array(keep, np.int64))
+                np.array(keep, np.int64), np.array([len(d) for d in drops], np.int64),
+                np.concatenate(drops + [np.empty(0, np.int64)]).astype(np.int64))
 
 
 def expected_table(views, max_seqs, width):
@@ -180,25 +187,26 @@ def expected_table(views, max_seqs, width):
 
 @pytest.mark.parametrize("staging,chunk", [(0, None), (2, None), (2, 6)])
 def test_patched_view_table_equals_the_views(staging, chunk):
-    """Random decode traffic through the delta path: after every step the table is exactly the
-    views, -1 past each row's length and in every row past the step's last (unstaged, staged,
-    and staged in pieces of 6 pairs)."""
+    """Random decode traffic through the delta path (appends, evictions, relocations, moves):
+    after every step the table is exactly the views, -1 past each row's length and in every row
+    past the step's last (unstaged, staged, and staged in pieces of 6 pairs)."""
     max_seqs, width = 6, 24
     buf = InputBuffers(max_tokens=8, max_seqs=max_seqs, max_view_len=width, staging=staging,
                        chunk=chunk)
     traffic = Traffic(1, max_seqs, width)
-    for _ in range(150):
-        views, handles, keep = traffic.step()
+    for _ in range(200):
+        views, handles, keep, drop_lens, drops = traffic.step()
         b = len(views)
-        buf.update(np.arange(b), np.arange(b), np.arange(b), views, handles, keep)
+        buf.update(np.arange(b), np.arange(b), np.arange(b), views, handles, keep, drop_lens,
+                   drops)
         assert buf.view_slots.numpy().tolist() == expected_table(views, max_seqs, width).tolist()
         assert buf.view_lens[:b].tolist() == [len(v) for v in views]
 
 
 def test_decode_step_stages_bytes_in_proportion_to_the_batch():
     """A steady decode step uploads 48 bytes per row (3 token buffers, view_lens, one (index,
-    value) pair), however long the views; a row whose view was rebuilt after an eviction adds
-    its new view and the -1s over what it no longer holds, and nothing else."""
+    value) pair), however long the views; an eviction adds its positions (the row closes up on
+    the device); a row sent whole adds its view and the -1s over what it no longer holds."""
     b, width = 4, 4096
     buf = InputBuffers(max_tokens=16, max_seqs=8, max_view_len=width, staging=2)
     views = [np.arange(1000 * i, 1000 * i + 900) for i in range(b)]
@@ -210,11 +218,19 @@ def test_decode_step_stages_bytes_in_proportion_to_the_batch():
         buf.update(np.zeros(b), np.zeros(b), np.zeros(b), views, handles, keep)
         assert buf.staged_bytes == 48 * b
     keep = np.array([len(v) for v in views])
-    old = len(views[2])
     views = [np.append(v, 6000) for v in views]
-    views[2] = views[2][::3]                      # evicted: rebuilt, keep 0
-    keep[2] = 0
+    views[2] = np.delete(views[2], [3, 500])      # two tokens evicted: their positions go up
+    keep[2] -= 2
+    buf.update(np.zeros(b), np.zeros(b), np.zeros(b), views, handles, keep,
+               np.array([0, 0, 2, 0]), np.array([3, 500]))
+    squeeze = 2 + 2 * 2                           # the row and its length, two (row, position)
+    assert buf.staged_bytes == 48 * b + 8 * squeeze
+    assert buf.view_slots.numpy().tolist() == expected_table(views, 8, width).tolist()
+    keep = np.array([len(v) for v in views])
+    views = [np.append(v, 7000) for v in views]
+    views[1] = views[1][::3]                      # sent whole (keep 0): the row and -1s after it
+    old = keep[1]
+    keep[1] = 0
     buf.update(np.zeros(b), np.zeros(b), np.zeros(b), views, handles, keep)
-    rebuilt = len(views[2]) + (old - len(views[2]))    # its new slots, then -1 over the rest
-    assert buf.staged_bytes == 48 * b - 16 + 16 * rebuilt
+    assert buf.staged_bytes == 48 * b - 16 + 16 * old
     assert buf.view_slots.numpy().tolist() == expected_table(views, 8, width).tolist()

@@ -160,15 +160,20 @@ def test_decode_steps_send_one_slot_per_row(tiny_llama):
     llm.llm_engine.check_invariants()
 
 
-def test_rebuilt_views_go_whole_and_a_stray_delta_is_caught(tiny_llama):
+def test_evictions_travel_as_positions_and_a_stray_delta_is_caught(tiny_llama):
+    """H2O: a decode row whose tokens were evicted sends their positions and its new slot, not
+    its view (unless a relocation moved its tokens: then the view from the first moved one)."""
     llm = LLM(tiny_llama, num_gpu_blocks_override=64, **EVICT)
     steps = record_steps(llm)
     llm.generate([{"prompt_token_ids": p} for p in random_prompts(2, seed=4, lo=40, hi=60)],
                  GREEDY, use_tqdm=False)
-    # decode rows whose view was rebuilt (after an eviction or a relocation): sent in full
-    rebuilt = [n for s, _ in steps for k, n in zip(s.view_keep[:s.num_decodes],
-                                                    s.view_new_lens[:s.num_decodes]) if k == 0]
-    assert len(rebuilt) > 2 and min(rebuilt) > 1
+    decode = [s for s, _ in steps if s.num_rows and s.num_decodes == s.num_rows]
+    evicting = [s for s in decode if s.view_drop_lens.sum() > 0]
+    assert len(evicting) > 2
+    for s in evicting:
+        plain = (s.view_drop_lens > 0) & (s.view_new_lens == 1)
+        assert plain.any() and (s.view_keep[plain] > 0).all()
+        assert len(s.view_drops) == s.view_drop_lens.sum()
     eng = llm.llm_engine
     eng.check_invariants()
     views = eng.runner.views._views
@@ -180,7 +185,7 @@ def test_rebuilt_views_go_whole_and_a_stray_delta_is_caught(tiny_llama):
         eng.check_invariants()
 
 
-def test_view_store_refuses_deltas_out_of_step():
+def test_view_store_applies_drops_and_refuses_deltas_out_of_step():
     store = ViewStore()
     step = StepInput(num_new=np.array([1]), num_decodes=1, view_handles=np.array([7]),
                      view_keep=np.array([0]), view_new_lens=np.array([2]),
@@ -189,7 +194,13 @@ def test_view_store_refuses_deltas_out_of_step():
     step.view_keep, step.view_new_lens, step.view_new_slots = (np.array([2]), np.array([1]),
                                                                np.array([12]))
     assert [v.tolist() for v in store.update(step)] == [[4, 9, 12]]
-    step.view_keep = np.array([5])
+    step.view_keep, step.view_new_slots = np.array([2]), np.array([13])
+    step.view_drop_lens, step.view_drops = np.array([1]), np.array([1])
+    assert [v.tolist() for v in store.update(step)] == [[4, 12, 13]]     # 9 evicted
+    step.view_drops = np.array([3])
+    with pytest.raises(RuntimeError, match="out of step"):
+        store.update(step)
+    step.view_drop_lens, step.view_keep = np.array([0]), np.array([5])
     with pytest.raises(RuntimeError, match="out of step"):
         store.update(step)
 

@@ -256,6 +256,8 @@ class LLMEngine:
         scores = self.kv.score_request(sched.scheduled) if sched.scheduled else None
         step, rows = self.input_builder.build(sched.scheduled, scores, sched.copies)
         out = self._execute(step)
+        if self.kv_config.check_invariants and rows:   # every rank's views, every step
+            self.model_executor.check_invariants(self.input_builder.translation.snapshot())
         # copies completed this step: their moves apply now, so the next step's views read the
         # destinations (this step's read the sources, which were still valid)
         self.kv.copies_done(set(out.completed_copies))

@@ -9,8 +9,8 @@ slots and attention views both come from the token table, never from positions:
     slot_mapping  token_table slots of this step's tokens (where their K/V is written)
     views         token_table live slots, in logical order (what attention reads)
 
-It owns the TranslationCache, so it knows which views only grew since the previous step: those
-travel as deltas (the new tokens' slots), the others whole.
+It owns the TranslationCache, so it knows how each view changed since the previous step: views
+travel as deltas (evicted positions, the new tokens' slots), new ones whole.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -57,7 +57,7 @@ class _Columns:
 
     def __init__(self):
         self.ids, self.pos, self.slots, self.num_new = [], [], [], []
-        self.handles, self.keep, self.new = [], [], []
+        self.handles, self.keep, self.new, self.drops = [], [], [], []
         self.mask_ids, self.colsum_from, self.keys = [], [], []
         self.sample, self.prompt_spans = [], []
         self.start = self.prompt_at = 0
@@ -71,6 +71,8 @@ class _Columns:
             view_keep=np.array(self.keep, np.int64),
             view_new_lens=np.fromiter((len(v) for v in self.new), np.int64, len(self.new)),
             view_new_slots=_concat(self.new), mask_view_ids=_concat(self.mask_ids),
+            view_drop_lens=np.fromiter((len(d) for d in self.drops), np.int64, len(self.drops)),
+            view_drops=_concat(self.drops),
             decode_mass=decode_mass, colsum_from=_ints(self.colsum_from),
             key_statistic=np.array(self.keys, np.int8), sample_indices=_ints(self.sample),
             prompt_logit_spans=_ints(self.prompt_spans).reshape(-1, 2), copies=copies)
@@ -109,10 +111,11 @@ class StepInputBuilder:
         cols.pos.append(np.arange(c, c + n))
         cols.slots.append(self.token_table.slots(sid, c, c + n))
         cols.num_new.append(n)
-        view_ids, view_slots, handle, keep = self.translation.view(sid)
+        view_ids, view_slots, handle, keep, drops = self.translation.view(sid)
         cols.handles.append(handle)
         cols.keep.append(keep)
         cols.new.append(view_slots[keep:])
+        cols.drops.append(drops)
         cols.keys.append(_KEY_CODE.get(scores.key_statistic.get(sid), 0))
         if not is_decode:
             cols.colsum_from.append(scores.prefill_from.get(sid, NO_COLUMN_SUMS))

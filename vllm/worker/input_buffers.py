@@ -15,9 +15,10 @@ Everything past this step's extent is padding, so a graph captured for a larger 
 padding rows.
 
 The view table is patched, not rewritten: ViewRows (worker/view_rows.py) knows which handle's
-view each row holds, so a steady decode step sends one slot per row, and only a changed row
-(new, rebuilt after eviction or relocation, moved up when a request left) is sent whole. A
-step's upload is O(batch): its tokens, view_lens and the patch; `staged_bytes` counts it.
+view each row holds, so a steady decode step sends one slot per row, an eviction its evicted
+positions (the row closes up on the device), a relocation the view from its first moved token
+on, and only a new row goes whole. A step's upload is O(batch + evicted): its tokens,
+view_lens and the patch; `staged_bytes` counts it.
 
 Staging. On CUDA a step's values are written into a pinned host mirror and uploaded with
 non-blocking copies on the current stream. There are two mirrors, used in turn:
@@ -29,8 +30,9 @@ non-blocking copies on the current stream. There are two mirrors, used in turn:
 so `update` never waits for the previous step's upload. Token uploads cover everything up to
 the larger of this and the previous step's extent, and every mirror entry sent is rewritten this
 step, so what a mirror held two steps ago never reaches the device. The patch goes up through a
-fixed device staging area in pieces of at most `chunk` (index, value) pairs, each applied before
-the next is copied (stream order). On CPU the host tensors are the buffers and the patch is
+fixed device staging area: moves, squeezes and drops first (at most max_tokens drops a step;
+more and those rows go whole), then the writes in pieces of at most `chunk` (index, value)
+pairs, each applied before the next is copied (stream order). On CPU the host tensors are the buffers and the patch is
 applied directly, unless `staging=2` is asked for, which runs the same path with CPU tensors as
 mirrors (tests).
 """
@@ -39,7 +41,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from vllm.worker.view_rows import ViewPatch, ViewRows
+from vllm.worker.view_rows import ViewPatch, ViewRows, apply_patch
 
 _TOKEN_PAD = {"input_ids": 0, "positions": 0, "slot_mapping": -1}
 
@@ -89,8 +91,9 @@ class InputBuffers:
         cuda = self.device.type == "cuda"
         staging = (2 if cuda else 0) if staging is None else staging
         assert staging in (0, 2) and (staging or not cuda), "staging: 0 (CPU only) or 2 mirrors"
-        assert self.chunk >= max_seqs, "a piece of the patch holds every row's move"
-        self.mirrors = [_Mirror(max_tokens, max_seqs, 2 * self.chunk, cuda)
+        # the device staging area: two pieces of writes, or every move, squeeze and drop
+        entries = max(2 * self.chunk, 2 * patch_chunk(max_tokens, max_seqs))
+        self.mirrors = [_Mirror(max_tokens, max_seqs, entries, cuda)
                         for _ in range(staging)]
         self._turn = 0
         # the buffers themselves: on the device, or (no staging) the host tensors written directly
@@ -103,7 +106,7 @@ class InputBuffers:
             self._dev = self._unstaged.tensors
         self.view_slots = torch.full((max_seqs, max_view_len), -1, dtype=torch.int64,
                                      device=self.device)
-        self.rows = ViewRows(max_seqs, max_view_len)
+        self.rows = ViewRows(max_seqs, max_view_len, max_drops=max_tokens)
         self.num_tokens = self.num_seqs = self.width = 0
         self.staged_bytes = 0              # host-to-device bytes of the last update
 
@@ -115,10 +118,12 @@ class InputBuffers:
 
     def update(self, input_ids: Sequence[int], positions: Sequence[int],
                slot_mapping: Sequence[int], views: List[np.ndarray],
-               handles: Optional[np.ndarray] = None, keep: Optional[np.ndarray] = None) -> None:
+               handles: Optional[np.ndarray] = None, keep: Optional[np.ndarray] = None,
+               drop_lens: Optional[np.ndarray] = None, drops: Optional[np.ndarray] = None
+               ) -> None:
         """Write one step's inputs in place; what the previous step used beyond them is reset.
-        handles / keep: each view's handle and the slots it keeps from that handle's previous
-        view (StepInput.view_handles / view_keep); without them every row is sent whole."""
+        handles, keep, drop_lens, drops: the views' deltas (StepInput.view_handles, view_keep,
+        view_drop_lens, view_drops); without them every row is sent whole."""
         n, rows = len(input_ids), len(views)
         lens = np.fromiter((len(v) for v in views), np.int64, rows)
         width = int(lens.max()) if rows else 0
@@ -135,7 +140,7 @@ class InputBuffers:
             a[name][:n] = values
         a["view_lens"][:r_hi] = 0
         a["view_lens"][:rows] = lens
-        patch = self.rows.patch(views, handles, keep)
+        patch = self.rows.patch(views, handles, keep, drop_lens, drops)
         self._upload(host, t_hi, r_hi)
         self._apply(host, patch)
         self.staged_bytes = 8 * (3 * t_hi + r_hi + patch.num_entries)
@@ -161,21 +166,19 @@ class InputBuffers:
 
     def _apply(self, host, patch: ViewPatch) -> None:
         """The patch onto view_slots: directly without staging, else through the mirror's patch
-        area and the device staging area, in pieces. Mirror layout, for pieces of c pairs:
+        area and the device staging area. Mirror layout, for writes in pieces of c pairs:
 
-            [move_src (M), move_dst (M), idx[0:c], val[0:c], idx[c:2c], val[c:2c], ...]
+            [moves, squeezes, drops (h entries)] [idx[0:c], val[0:c]] [idx[c:2c], val[c:2c]] ...
         """
-        table, m = self.view_slots, len(patch.move_src)
+        arrays = patch.arrays()
         if host is self._unstaged:
-            if m:
-                src, dst = torch.from_numpy(patch.move_src), torch.from_numpy(patch.move_dst)
-                table[dst, :patch.move_width] = table[src, :patch.move_width]
-            table.view(-1)[torch.from_numpy(patch.idx)] = torch.from_numpy(patch.val)
-            host.uploaded.record()
+            apply_patch(self.view_slots, patch, [torch.from_numpy(a) for a in arrays])
             return
+        head = arrays[:-2]
+        h = sum(len(a) for a in head)
         area = host.patch_area(patch.num_entries)
-        area[:m], area[m:2 * m] = patch.move_src, patch.move_dst
-        pieces, at = [], 2 * m
+        area[:h] = np.concatenate(head) if h else area[:0]
+        pieces, at = [], h
         for lo in range(0, len(patch.idx), self.chunk):
             hi = min(lo + self.chunk, len(patch.idx))
             area[at:at + hi - lo], area[at + hi - lo:at + 2 * (hi - lo)] = \
@@ -183,13 +186,26 @@ class InputBuffers:
             pieces.append((at, hi - lo))
             at += 2 * (hi - lo)
         staging, sent = self._dev["patch"], host["patch"]
-        if m:
-            staging[:2 * m].copy_(sent[:2 * m], non_blocking=True)
-            table[staging[m:2 * m], :patch.move_width] = table[staging[:m], :patch.move_width]
+        if h:
+            staging[:h].copy_(sent[:h], non_blocking=True)
+        parts = list(torch.split(staging[:h], [len(a) for a in head])) + [None, None]
+        apply_patch(self.view_slots, patch, parts, writes=False)
+        table = self.view_slots.view(-1)
         for at, c in pieces:   # stream order: a piece is applied before the next overwrites it
             staging[:2 * c].copy_(sent[at:at + 2 * c], non_blocking=True)
-            table.view(-1)[staging[:c]] = staging[c:2 * c]
+            table[staging[:c]] = staging[c:2 * c]
         host.uploaded.record()             # after the last read of this mirror
+
+    def check_views(self, views: Dict[int, np.ndarray]) -> None:
+        """The table's rows are the views (handle -> slots) of the handles they hold, -1 after
+        each and in every row past the last step's (debugging: copies the table to the host)."""
+        table, rows = self.view_slots.cpu().numpy(), self.rows
+        for r in range(rows.rows):
+            n, h = rows.lens[r], rows.held[r]
+            assert h < 0 or np.array_equal(table[r, :n], views.get(h)), \
+                f"view table row {r} differs from view {h} (its patch went astray)"
+            assert (table[r, n:] == -1).all(), f"view table row {r}: slots past its length"
+        assert (table[rows.rows:] == -1).all(), "view table: slots in rows past the step's"
 
     def step_inputs(self):
         """This step's extent: (input_ids, positions, slot_mapping, view_slots, view_lens)."""
@@ -199,6 +215,6 @@ class InputBuffers:
 
 
 def patch_chunk(max_tokens: int, max_seqs: int) -> int:
-    """(index, value) pairs per piece of a staged patch: a steady decode step (one pair per
-    row) and a full prompt's worth of changed slots go in one piece."""
-    return max_tokens + max_seqs
+    """(index, value) pairs per piece of a staged patch (the staging area holds two pieces): a
+    steady decode step goes in one piece, and so do a step's moves, squeezes and drops."""
+    return max_tokens + 2 * max_seqs

@@ -53,8 +53,10 @@ class ModelRunner:
     def prepare_inputs(self, step: StepInput) -> ModelInput:
         views = self.views.update(step)
         b = step.num_decodes
+        drop_lens = step.view_drop_lens[:b]
         self.buffers.update(step.input_ids, step.positions, step.slot_mapping, views[:b],
-                            step.view_handles[:b], step.view_keep[:b])
+                            step.view_handles[:b], step.view_keep[:b], drop_lens,
+                            step.view_drops[:int(drop_lens.sum())])
         input_ids, positions, slot_mapping, decode_views, view_lens = self.buffers.step_inputs()
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, num_decodes=b, decode_views=decode_views,

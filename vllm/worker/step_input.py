@@ -12,13 +12,15 @@ Rows are the step's requests, single-token rows (decodes) first; their tokens li
     input_ids     [a, b, p0, p1, p2, p3, p4]     positions and slot_mapping alike
     row starts    [0, 1, 2]                      (cumulative num_new)
 
-Attention views travel as deltas against the worker's copy (worker/view_store.py): row i keeps
-the first view_keep[i] slots its handle held after the previous step and appends
-view_new_lens[i] slots taken in turn from view_new_slots:
+Attention views travel as deltas against the worker's copy (worker/view_store.py): row i
+deletes the view_drop_lens[i] positions taken in turn from view_drops (evicted tokens, as
+positions in the view its handle held after the previous step), keeps the first view_keep[i]
+slots of what is left and appends view_new_lens[i] slots taken in turn from view_new_slots:
 
-    plain decode step      keep = old length, new = [the token's slot]     (O(1) per row)
-    new request, or one whose table changed (eviction, relocation, preemption)
-                           keep = 0, new = the whole view
+    plain decode step      keep = old length, new = [the token's slot]      (O(1) per row)
+    after an eviction      drops = the evicted positions, new = [the token's slot]
+    after a relocation     keep = up to the first moved token, new = the rest
+    new request (or after a preemption)            keep = 0, new = the whole view
 """
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -61,6 +63,8 @@ class StepInput:
     view_keep: np.ndarray = field(default_factory=_ints)       # [R]
     view_new_lens: np.ndarray = field(default_factory=_ints)   # [R]
     view_new_slots: np.ndarray = field(default_factory=_ints)  # [sum(view_new_lens)]
+    view_drop_lens: np.ndarray = field(default_factory=_ints)  # [R] (empty: no drops at all)
+    view_drops: np.ndarray = field(default_factory=_ints)      # [sum(view_drop_lens)]
     # logical ids of the views of the prompt chunks that need_mask(), in row order (the mask:
     # a query at logical id p sees the live keys with id <= p)
     mask_view_ids: np.ndarray = field(default_factory=_ints)

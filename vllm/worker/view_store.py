@@ -4,10 +4,12 @@ The engine's TranslationCache and this store advance together, one StepInput at 
 every step both hold, per handle, the live slots (in logical order) of that step's rows, and
 both forget the handles that were not in the step. A row's view is then
 
-    view = stored[:keep] ++ new          e.g. stored [5, 9, 12], keep 3, new [13] -> [5, 9, 12, 13]
-                                              keep 0, new [5, 12, 13] -> [5, 12, 13] (a rebuild)
+    view = delete(stored, drops)[:keep] ++ new
+        stored [5, 9, 12], keep 3, new [13]                 -> [5, 9, 12, 13]
+        stored [5, 9, 12], drops [1], keep 2, new [13]      -> [5, 12, 13]   (an eviction)
+        keep 0, new [5, 12, 13]                             -> [5, 12, 13]   (sent whole)
 
-so a plain decode step sends one slot per row instead of the whole view.
+so a plain decode step sends one slot per row, and an eviction its evicted positions.
 """
 from typing import Dict, List
 
@@ -38,12 +40,17 @@ class ViewStore:
             keep = set(handles)
             for h in [h for h in self._views if h not in keep]:
                 del self._views[h]
-        new = step.view_new_slots
-        views, at = [], 0
-        for h, k, n in zip(handles, step.view_keep.tolist(), step.view_new_lens.tolist()):
+        new, drops = step.view_new_slots, step.view_drops
+        drop_lens = step.view_drop_lens.tolist() or [0] * len(handles)
+        views, at, dropped = [], 0, 0
+        for h, k, n, d in zip(handles, step.view_keep.tolist(), step.view_new_lens.tolist(),
+                              drop_lens):
             v = self._views.get(h)
             if v is None:
                 v = self._views[h] = _Slots()
+            if d:
+                v.n = _delete(v, drops[dropped:dropped + d], h)
+                dropped += d
             if k > v.n:
                 raise RuntimeError(f"view {h}: the step keeps {k} slots but the worker holds "
                                    f"{v.n}: its view deltas are out of step with the engine")
@@ -58,3 +65,13 @@ class ViewStore:
     def snapshot(self) -> Dict[int, np.ndarray]:
         """Every handle's view (copies), for the engine's consistency check."""
         return {h: v.slots[:v.n].copy() for h, v in self._views.items()}
+
+
+def _delete(v: _Slots, positions: np.ndarray, handle: int) -> int:
+    """Delete the entries at `positions` (increasing) in place -> the new length."""
+    if positions[-1] >= v.n:
+        raise RuntimeError(f"view {handle}: the step drops position {positions[-1]} but the "
+                           f"worker holds {v.n}: its view deltas are out of step with the engine")
+    kept = np.delete(v.slots[:v.n], positions)
+    v.slots[:len(kept)] = kept
+    return len(kept)

@@ -237,6 +237,7 @@ class Worker:
         for h, slots in expected.items():
             assert np.array_equal(held[h], slots), \
                 f"rank {self.rank}: view {h} differs from the engine's (its deltas went astray)"
+        self.model_runner.buffers.check_views(held)
 
     def set_relocation_executor(self, executor: RelocationExecutor) -> None:
         self.relocation = executor
