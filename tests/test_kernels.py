@@ -206,10 +206,12 @@ def test_isa_detection_and_forcing(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_cpu_model", lambda: "model name : X\nflags : fpu sse2")
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
     assert cpu_kernels.runnable_isas() == ["generic"]
-    flags = "flags : sse2 avx2 fma avx512f avx512bw avx512vl avx512dq"
+    flags = "flags : sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq"
     monkeypatch.setattr(cpu_kernels, "_cpu_model", lambda: flags)
     assert cpu_kernels.runnable_isas() == ["avx512", "avx2", "generic"]
     monkeypatch.setattr(cpu_kernels, "_cpu_model", lambda: "flags : sse2 avx2 fma")
+    assert cpu_kernels.runnable_isas() == ["generic"]         # F16C widens the fp8 cache
+    monkeypatch.setattr(cpu_kernels, "_cpu_model", lambda: "flags : sse2 avx2 fma f16c")
     for forced, expect in [(None, "avx2"), ("generic", "generic"), ("avx512", ValueError),
                            ("sse9", ValueError)]:
         if forced:

@@ -109,6 +109,80 @@ def test_c_write_equals_torch_cast(isa, dtype):
         assert not stacked[0].view(torch.uint8)[untouched].any()
 
 
+def finite_codes(dtype) -> torch.Tensor:
+    """Every byte whose torch value is finite (e4m3fn: all but the NaNs 0x7f / 0xff, which
+    writes never store since they saturate)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    return codes[torch.isfinite(codes.view(dtype).float())]
+
+
+@cpu_built
+@pytest.mark.parametrize("dtype", FP8)
+def test_c_fp8_widening_is_exact_for_every_byte(isa, dtype):
+    """The C widening (F16C halves on avx2 / avx512, bit moves elsewhere) against torch's own
+    fp8 -> float32 for all 256 bytes: finite ones bit for bit (subnormals, -0 included), e5m2's
+    infinities and NaNs as such."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    ref = codes.view(dtype).float()
+    got = cpu_kernels.fp8_to_float(codes, dtype)
+    finite = torch.isfinite(ref)
+    assert torch.equal(got[finite].view(torch.int32), ref[finite].view(torch.int32))
+    nan, inf = torch.isnan(ref), torch.isinf(ref)
+    if dtype == torch.float8_e5m2:
+        assert torch.isnan(got[nan]).all() and torch.equal(got[inf], ref[inf])
+    else:                       # e4m3fn's NaN bytes read as finite values: never stored
+        assert nan.sum() == 2 and torch.isfinite(got[nan]).all()
+
+
+@cpu_built
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("v_scale", [1.0, 0.37])
+def test_c_attention_reads_every_fp8_value_exactly(isa, dtype, v_scale):
+    """One key per request: its probability is exactly 1, so the output is the key's V as the
+    kernel reads it, which must be torch's dequantized value (byte value * v_scale, one float
+    rounding) for every finite byte; the e4m3 unit 2^8 folded into the output is exact."""
+    codes = finite_codes(dtype)
+    d = 64
+    codes = torch.cat([codes, codes[:(-len(codes)) % d]])          # whole rows of D values
+    rows = len(codes) // d
+    cache = torch.zeros(1, rows + 1, 2, 1, d, dtype=dtype)
+    kv_quant.register(cache)
+    kv_quant.set_scales(cache, [0.5], [v_scale])
+    cache.view(torch.uint8)[0, 1:, 1, 0] = codes.view(rows, d)      # V of slots 1 .. rows
+    slots = torch.arange(1, rows + 1)[:, None]
+    q = torch.randn(rows, 3, d)           # 3 query heads a KV head: avx2's one-pass fp8 values
+    out = ops.decode_attention(q, cache[0], slots, torch.ones(rows, dtype=torch.int64), 0.125,
+                               backend="cpu")
+    expect = codes.view(dtype).float() * np.float32(v_scale)
+    for h in range(3):
+        assert torch.equal(out[:, h].reshape(-1), expect)
+
+
+@cpu_built
+@pytest.mark.parametrize("dtype", FP8)
+def test_c_attention_over_every_fp8_key_matches_float64_reference(isa, dtype):
+    """Keys that hold every finite byte (in shuffled order) against a float64 reference of the
+    dequantized cache: the widened K and the unit folded into the score scale."""
+    g = torch.Generator().manual_seed(5)
+    codes = finite_codes(dtype)
+    kvh, d, h, n = 2, 64, 6, 40
+    k, v = codes[torch.randint(0, len(codes), (2, n, kvh, d), generator=g)]
+    k.view(-1)[:len(codes)] = codes[torch.randperm(len(codes), generator=g)]
+    top = float(torch.finfo(dtype).max)
+    cache = torch.zeros(1, n, 2, kvh, d, dtype=dtype)
+    kv_quant.register(cache)
+    kv_quant.set_scales(cache, [4 / top], [1.3])                  # |K| <= 4
+    cache.view(torch.uint8)[0] = torch.stack([k, v], dim=1)
+    deq = kv_quant.gather(cache[0], torch.arange(n))
+    slots = torch.stack([torch.randperm(n, generator=g), torch.randperm(n, generator=g)])
+    lens = torch.tensor([n, n - 7])
+    q = torch.randn(2, h, d, generator=g)
+    ref_out, ref_mass = decode_reference(q, deq, slots, lens, 0.25)
+    mass = torch.zeros(slots.shape)
+    out = ops.decode_attention(q, cache[0], slots, lens, 0.25, mass, backend="cpu")
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(mass, ref_mass) < 1e-5
+
+
 def fp8_scene(lens, kvh, d, seed, dtype, k_scale, v_scale, num_blocks=100):
     """paged_scene's K/V quantized into a registered one-layer fp8 cache -> (cache view [S, 2,
     KVH, D], the dequantized float32 values, slots, lens)."""

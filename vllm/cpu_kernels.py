@@ -2,9 +2,10 @@
 RMSNorm, SiLU-and-multiply, and rotary embedding fused with the K/V cache write.
 
 The source is built once per instruction-set variant, the one this CPU runs best:
-    avx512   CPU flag avx512f (+bw, vl, dq)   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma
-    avx2     CPU flags avx2 and fma            -mavx2 -mfma
-    generic  anything else (Arm, old x86)      no -m flags: SSE2 / NEON / scalar
+    avx512   CPU flags avx512f (+bw, vl, dq)  -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma
+                                              -mf16c
+    avx2     CPU flags avx2, fma and f16c     -mavx2 -mfma -mf16c
+    generic  anything else (Arm, old x86)     no -m flags: SSE2 / NEON / scalar
 VLLM_CPU_ISA=avx512|avx2|generic forces one; forcing one this CPU cannot run is a ValueError.
 Compiled on first use with the system C compiler (-O3 -fopenmp and the flags above; x86 variants
 also -mtune=native) into <cache root>/cpu_kernels/, keyed by the source's hash, the variant and
@@ -35,11 +36,12 @@ SOURCE = next((p for p in (_HERE / "_csrc" / "decode_kernels.c",
                            _HERE.parent / "csrc" / "cpu" / "decode_kernels.c") if p.exists()), None)
 ISAS = ("avx512", "avx2", "generic")
 # the CPU flags each variant needs, and how it is compiled
-_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"},
-          "avx2": {"avx2", "fma"}, "generic": set()}
+_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"},
+          "avx2": {"avx2", "fma", "f16c"}, "generic": set()}
 _CFLAGS = {"avx512": ["-DVTOK_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                      "-mavx512dq", "-mavx2", "-mfma", "-mtune=native"],
-           "avx2": ["-DVTOK_ISA_AVX2", "-mavx2", "-mfma", "-mtune=native"], "generic": []}
+                      "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-mtune=native"],
+           "avx2": ["-DVTOK_ISA_AVX2", "-mavx2", "-mfma", "-mf16c", "-mtune=native"],
+           "generic": []}
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
@@ -135,6 +137,8 @@ def library(isa: str, source: Optional[Path] = None) -> Optional[ctypes.CDLL]:
     lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                                           _f32, _ptr, _i64, _ptr, _ptr, _i64, _int, _f32, _f32]
     lib.vtok_decode_attention.restype = None
+    lib.vtok_fp8_to_float.argtypes = [_ptr, _i64, _int, _ptr]
+    lib.vtok_fp8_to_float.restype = None
     lib.vtok_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.vtok_argmax_rows.restype = None
     lib.vtok_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
@@ -238,6 +242,19 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
         None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
         fmt, k_scale, v_scale)
     return out
+
+
+def fp8_to_float(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """raw uint8 [N] holding fp8 values of `dtype` -> float32 [N], widened as the attention
+    kernels widen K and V (the cache's scales not applied)."""
+    assert raw.dtype == torch.uint8 and raw.dim() == 1
+    n = len(raw)
+    padded = torch.zeros(-(-n // 16) * 16, dtype=torch.uint8)
+    padded[:n] = raw
+    out = torch.empty(len(padded), dtype=torch.float32)
+    _library().vtok_fp8_to_float(padded.data_ptr(), len(padded), kv_quant.FORMAT_CODES[dtype],
+                                 out.data_ptr())
+    return out[:n]
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
+#include <immintrin.h>        /* F16C: the fp8 cache's widening (fp8_load) */
+#endif
 
 #if defined(VTOK_ISA_AVX512)
 #define VEC 16                /* floats per vector */
@@ -265,35 +268,69 @@ static inline ivec as_bits(vec f) { ivec v; memcpy(&v, &f, sizeof v); return v; 
 /* ---- fp8 KV cache (--kv-cache-dtype, vllm/attention/kv_quant.py) ------------------------------
    The cache holds float32 (KV_F32) or one byte per value: e4m3fn (bias 7, 3 mantissa bits, max
    448) or e5m2 (bias 15, 2 mantissa bits, max 57344), stored = x * (1 / scale) per layer and K / V.
-   No x86 ISA here converts fp8: a byte's exponent and mantissa bits go to the bottom of a float's
-   exponent field and one multiply by 2^(127 - bias) rebiases it (subnormals included: the float
-   is then subnormal with the same mantissa, and the product exact). VEC bytes -> one vector:
-   a sign-extending load, a shift, an and, a multiply. The scales never
-   touch the data: the K scale folds into the score scale, the V scale into the output. */
+   No x86 ISA here converts fp8, but each byte is exactly an IEEE half once its bits are moved:
+     e5m2   byte << 8 is the half of the same value (sign, 5 exponent bits, 2 of 10 mantissa bits)
+     e4m3   (b & 0x80) << 8 | (b & 0x7f) << 7 is the half of the value * 2^-8 (bias 15 vs 7),
+            subnormals included; 0x7f / 0xff (NaN) would read 1.875 * 2^-8, but writes saturate
+            and never store them
+   so fp8_load yields value * 2^-8 (e4m3) or value (e5m2) and FP8_UNIT(fmt) undoes it: the unit
+   and the layer's scales never touch the data, they fold into the score scale (K) and the
+   output (V). 0x9c (e4m3, -0.25): sign-extended 0xff9c << 7 = 0xce00, & 0xbf80 = 0x8e00 = the
+   half -2^-10 = -0.25 * 2^-8. F16C widens VEC halves at once (vcvtph2ps): per VEC bytes a load,
+   a widening to 16 bits, one or two bit ops, a conversion. The generic build has no halves: it
+   puts the exponent and mantissa bits at the bottom of a float's exponent field and multiplies by
+   2^112 (e5m2: 2^(127 - 15); e4m3: 2^(127 - 7) * 2^-8), the same values as the F16C builds.
+   Before (GCC vector extensions on every build): GCC 12 widened the bytes lane by lane (a scalar
+   load and an insert per value), and the fp8 decode step ran at 0.6-0.7x float32's tok/s. */
 #define KV_F32 0
 #define KV_E4M3 1
 #define KV_E5M2 2
-typedef int8_t sbvec __attribute__((vector_size(VEC)));
-typedef uint32_t uvec __attribute__((vector_size(4 * VEC)));
+#define FP8_UNIT(fmt) ((fmt) == KV_E4M3 ? 256.f : 1.f)
 
+#if defined(VTOK_ISA_AVX512)
 static inline vec fp8_load(const uint8_t *p, const int fmt) {
-  /* sign-extended bytes: bit 7 fills bits 8-31, so after the shift the float's sign bit is
-     already set and one and keeps it with the exponent / mantissa bits (vpmovsxbd, vpslld,
-     vpand, vmulps) */
-  sbvec b;
-  memcpy(&b, p, sizeof b);
-  uvec x = (uvec)__builtin_convertvector(b, ivec);
-  uvec bits = fmt == KV_E4M3 ? (x << 20) & 0x87f00000u : (x << 21) & 0x8fe00000u;
+  __m128i b = _mm_loadu_si128((const __m128i *)p);
+  __m256i h = fmt == KV_E4M3
+      ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                         _mm256_set1_epi16((short)0xbf80))
+      : _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+  return (vec)_mm512_cvtph_ps(h);
+}
+#elif defined(VTOK_ISA_AVX2)
+static inline vec fp8_load(const uint8_t *p, const int fmt) {
+  __m128i b = _mm_loadl_epi64((const __m128i *)p);
+  __m128i h = fmt == KV_E4M3
+      ? _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16((short)0xbf80))
+      : _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
+  return (vec)_mm256_cvtph_ps(h);
+}
+#else
+typedef uint32_t uvec __attribute__((vector_size(4 * VEC)));
+static inline vec fp8_load(const uint8_t *p, const int fmt) {
+  uvec x;
+  for (int i = 0; i < VEC; i++) x[i] = p[i];
+  uvec bits = (x & 0x80) << 24 | (x & 0x7f) << (fmt == KV_E4M3 ? 20 : 21);
+  if (fmt == KV_E5M2)        /* exponent 31: infinity or NaN, as the F16C builds read it */
+    bits |= (uvec)((x & 0x7c) == 0x7c) & 0x7f800000u;
   vec f;
   memcpy(&f, &bits, sizeof f);
-  return f * (fmt == KV_E4M3 ? 0x1p120f : 0x1p112f);
+  return f * 0x1p112f;
 }
+#endif
 
 /* VEC values at element i of a cache row that starts at byte pointer base */
 static inline __attribute__((always_inline)) vec kv_load(const char *base, int64_t i,
                                                          const int fmt) {
   if (fmt == KV_F32) return load((const float *)base + i);
   return fp8_load((const uint8_t *)base + i, fmt);
+}
+
+/* out[0:n] = the fp8 bytes x[0:n] (fmt KV_E4M3 or KV_E5M2) as floats, widened as attention reads
+   them, times FP8_UNIT; n % VEC == 0. For tests: every byte against torch's own conversion. */
+void vtok_fp8_to_float(const uint8_t *x, int64_t n, int fmt, float *out) {
+  for (int64_t i = 0; i < n; i += VEC)
+    store(out + i, fmt == KV_E4M3 ? fp8_load(x + i, KV_E4M3) * FP8_UNIT(KV_E4M3)
+                                  : fp8_load(x + i, KV_E5M2) * FP8_UNIT(KV_E5M2));
 }
 
 /* one float -> fp8: x * inv, saturated to the largest finite value, rounded to nearest even
@@ -382,18 +419,19 @@ static inline vec sum_each(vec x[VEC]) {
 }
 #endif
 
-/* scores[j] = scale * q . key[j] for a block of VEC keys (D % VEC == 0); lanes past n unused */
-static inline void score_block(const float *q, const float *key[VEC], int n, int64_t D,
-                               float scale, float *scores) {
+/* scores[j] = scale * q . key[j] for a block of VEC keys (D % VEC == 0), all VEC lanes stored:
+   scores has room for them (probability rows are padded to 16), lanes past the block's keys are
+   overwritten by softmax's -inf padding or the next block (a copy of n lanes was a libc call per
+   block and head) */
+static inline void score_block(const float *q, const float *key[VEC], int64_t D, float scale,
+                               float *scores) {
   vec part[VEC];
   for (int j = 0; j < VEC; j++) part[j] = splat(0.f);
   for (int64_t d = 0; d < D; d += VEC) {
     vec qd = load(q + d);
     for (int j = 0; j < VEC; j++) part[j] += qd * load(key[j] + d);
   }
-  float out[VEC];
-  store(out, sum_each(part) * scale);
-  memcpy(scores, out, n * sizeof(float));
+  store(scores, sum_each(part) * scale);
 }
 
 static inline vec vmax(vec a, vec b) {
@@ -428,23 +466,27 @@ static void softmax(float *p, int64_t n) {
    weights stream through the caches between layers, so K / V come from memory every step; 64
    keys ahead into L2 rather than 16 into L1 keeps more of those misses in flight: the decode
    step at 1,024 keys took 0.91x the time on the AMD EPYC Zen 4 host (both builds, one row) and
-   0.81x at 16 rows of 512 keys (avx512), with no change at 192 keys. */
+   0.81x at 16 rows of 512 keys (avx512), with no change at 192 keys. An fp8 key's K and V are one
+   line each, prefetched together ahead of the scores: V then waits in L2 (64 KB for 1,024 keys)
+   for the values' passes, which prefetch nothing (fp8 attention 1.05-1.17x faster on the AMD
+   host, batch 32 x 1,024 keys, one thread). */
 static inline void prefetch_row(const char *p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
-/* out[g][0:vecs vectors] = sum_j p[g][j] * v_j[0:vecs vectors] for g < heads <= AV_HEADS,
-   vecs <= AV_VECS; where heads and vecs are constants the accumulators stay in registers. */
+/* out[g][0:vecs vectors] = sum_j p[g][j] * v_j[0:vecs vectors] for g < heads, heads x vecs <=
+   AV_HEADS x AV_VECS, vecs <= AV_VECS; where heads and vecs are constants the accumulators stay
+   in registers. */
 static inline __attribute__((always_inline)) void weigh_values(
     const char *kv, const int64_t *slot_row, int64_t n, int64_t row, int64_t offset,
     const float *p, int64_t lmax, float *out, int64_t D, const int heads, const int vecs,
     const int fmt, float v_scale) {
   const int64_t es = fmt == KV_F32 ? 4 : 1;                /* bytes per cached value */
-  vec acc[AV_HEADS][AV_VECS];
+  vec acc[2 * AV_HEADS][AV_VECS];                          /* the fp8 passes' shape fits too */
   for (int g = 0; g < heads; g++)
     for (int v = 0; v < vecs; v++) acc[g][v] = splat(0.f);
   for (int64_t j = 0; j < n; j++) {
-    if (j + PREFETCH_KEYS < n && slot_row[j + PREFETCH_KEYS] >= 0)
+    if (fmt == KV_F32 && j + PREFETCH_KEYS < n && slot_row[j + PREFETCH_KEYS] >= 0)
       prefetch_row(kv + (slot_row[j + PREFETCH_KEYS] * row + offset) * es, vecs * VEC * es);
     if (slot_row[j] < 0) continue;
     const char *val = kv + (slot_row[j] * row + offset) * es;
@@ -459,15 +501,15 @@ static inline __attribute__((always_inline)) void weigh_values(
     for (int v = 0; v < vecs; v++) store(out + g * D + VEC * v, acc[g][v] * v_scale);
 }
 
-#define WEIGH(h) case h: \
-  if (h <= AV_HEADS) weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, h, AV_VECS, fmt, \
-                             v_scale); \
+#define WEIGH(h, vecs) case h: \
+  if (h * vecs <= AV_HEADS * AV_VECS) weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, \
+                                                   D, h, vecs, fmt, v_scale); \
   break;
 
 /* One request b, one KV head kh: its G query heads against the request's n live keys.
    Scores and probabilities go to probs[g * lmax + j]; D % 16 == 0. fp8 (fmt): a block's VEC
    keys are converted once into kbuf (L1) and read by all G query heads from there; values are
-   converted in registers as they are weighed. */
+   converted in registers as they are weighed, and its K and V lines are prefetched together. */
 static inline __attribute__((always_inline)) void attend_group(
     const float *q, const char *kv, const int64_t *slot_row, int64_t n, int64_t KVH, int64_t kh,
     int64_t G, int64_t D, float scale, float *probs, int64_t lmax, float *out, const int fmt,
@@ -478,7 +520,10 @@ static inline __attribute__((always_inline)) void attend_group(
   for (int64_t j0 = 0; j0 < n; j0 += VEC) {
     int block = n - j0 < VEC ? (int)(n - j0) : VEC;
     for (int64_t j = j0 + PREFETCH_KEYS; j < j0 + PREFETCH_KEYS + VEC && j < n; j++)
-      if (slot_row[j] >= 0) prefetch_row(kv + (slot_row[j] * row + kh * D) * es, D * es);
+      if (slot_row[j] >= 0) {
+        prefetch_row(kv + (slot_row[j] * row + kh * D) * es, D * es);
+        if (fmt != KV_F32) prefetch_row(kv + (slot_row[j] * row + (KVH + kh) * D) * es, D * es);
+      }
     const float *key[VEC];
     for (int j = 0; j < VEC; j++) {  /* padding and lanes past the block read slot 0: unused */
       int64_t slot = j < block ? slot_row[j0 + j] : 0;
@@ -491,30 +536,43 @@ static inline __attribute__((always_inline)) void attend_group(
       key[j] = kbuf + j * D;
     }
     for (int64_t g = 0; g < G; g++)
-      score_block(q + g * D, key, block, D, scale, probs + g * lmax + j0);
+      score_block(q + g * D, key, D, scale, probs + g * lmax + j0);
   }
   for (int64_t j = 0; j < n; j++)
     if (slot_row[j] < 0)
       for (int64_t g = 0; g < G; g++) probs[g * lmax + j] = -INFINITY;
   for (int64_t g = 0; g < G; g++) softmax(probs + g * lmax, n);
 
-  /* out[g] = sum_j p[g][j] * v_j, AV_HEADS heads x AV_VECS vectors of dims at a time */
+  /* out[g] = sum_j p[g][j] * v_j, AV_HEADS heads x AV_VECS vectors of dims at a time. fp8
+     widens a V vector once per pass that reads it: where G fits in twice AV_HEADS, each pass
+     takes all G heads over AV_VECS / 2 vectors, so every value is widened once. G = 3 on avx2
+     (AV_HEADS 2): 3 heads x 2 vectors in 4 passes instead of 2 + 1 heads x 4 vectors, which
+     widened each value twice; fp8 attention 1.08-1.12x faster on the AMD host. */
   const int64_t values = (KVH + kh) * D;                   /* offset of V in a slot's row */
-  const int64_t span = AV_VECS * VEC;                      /* dims per accumulator block */
-  for (int64_t g0 = 0; g0 < G; g0 += AV_HEADS)
+  const int tall = fmt != KV_F32 && G > AV_HEADS && G <= 2 * AV_HEADS;
+  const int hmax = tall ? 2 * AV_HEADS : AV_HEADS, vmax = tall ? AV_VECS / 2 : AV_VECS;
+  const int64_t span = vmax * VEC;                         /* dims per accumulator block */
+  for (int64_t g0 = 0; g0 < G; g0 += hmax)
     for (int64_t d0 = 0; d0 < D; d0 += span) {
-      const int heads = G - g0 < AV_HEADS ? (int)(G - g0) : AV_HEADS;
-      const int vecs = D - d0 < span ? (int)(D - d0) / VEC : AV_VECS;
+      const int heads = G - g0 < hmax ? (int)(G - g0) : hmax;
+      const int vecs = D - d0 < span ? (int)(D - d0) / VEC : vmax;
       const float *p = probs + g0 * lmax;
       float *o = out + g0 * D + d0;
-      if (vecs != AV_VECS) {
+      if (vecs != vmax) {
         weigh_values(kv, slot_row, n, row, values + d0, p, lmax, o, D, heads, vecs, fmt,
                      v_scale);
         continue;
       }
-      switch (heads) {      /* cases past AV_HEADS are never reached */
-        WEIGH(1) WEIGH(2) WEIGH(3) WEIGH(4)
-      }
+      if (tall)
+        switch (heads) {    /* cases past 2 AV_HEADS are never reached */
+          WEIGH(1, AV_VECS / 2) WEIGH(2, AV_VECS / 2) WEIGH(3, AV_VECS / 2)
+          WEIGH(4, AV_VECS / 2) WEIGH(5, AV_VECS / 2) WEIGH(6, AV_VECS / 2)
+          WEIGH(7, AV_VECS / 2) WEIGH(8, AV_VECS / 2)
+        }
+      else
+        switch (heads) {    /* cases past AV_HEADS are never reached */
+          WEIGH(1, AV_VECS) WEIGH(2, AV_VECS) WEIGH(3, AV_VECS) WEIGH(4, AV_VECS)
+        }
     }
 }
 
@@ -522,34 +580,33 @@ static inline __attribute__((always_inline)) void attend_group(
    slots [B, ld_slots]: row b's first lens[b] entries are its attention view, negative = padding;
    probs: scratch [B, H, round16(lmax)] with lmax >= every lens[b]; out [B, H, D];
    mass [B, ld_mass] or NULL: += each key's attention probability summed over all H heads.
-   fmt: the cache's format (KV_F32, KV_E4M3, KV_E5M2); k_scale, v_scale: its scales (fp8). */
-static inline __attribute__((always_inline)) void attend_all(
-    const float *q, const char *kv, const int64_t *slots, int64_t ld_slots, const int64_t *lens,
-    int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, float *probs, int64_t lmax,
-    float *out, const int fmt, float v_scale) {
-  const int64_t G = H / KVH;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t kh = 0; kh < KVH; kh++)
-      attend_group(q + (b * H + kh * G) * D, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D,
-                   scale, probs + (b * KVH + kh) * G * lmax, lmax, out + (b * H + kh * G) * D,
-                   fmt, v_scale);
-}
-
+   fmt: the cache's format (KV_F32, KV_E4M3, KV_E5M2); k_scale, v_scale: its scales (fp8).
+   The format is picked inside the parallel loop: OpenMP outlines a parallel region's body before
+   inlining, so a format passed into the region stays a run-time value in there. */
 void vtok_decode_attention(const float *q, const void *kv, const int64_t *slots,
                            int64_t ld_slots, const int64_t *lens, int64_t B, int64_t H,
                            int64_t KVH, int64_t D, float scale, float *probs, int64_t lmax,
                            float *out, float *mass, int64_t ld_mass, int fmt, float k_scale,
                            float v_scale) {
+  const int64_t G = H / KVH;
   lmax = round16(lmax);
-  if (fmt == KV_E4M3)
-    attend_all(q, kv, slots, ld_slots, lens, B, H, KVH, D, scale * k_scale, probs, lmax, out,
-               KV_E4M3, v_scale);
-  else if (fmt == KV_E5M2)
-    attend_all(q, kv, slots, ld_slots, lens, B, H, KVH, D, scale * k_scale, probs, lmax, out,
-               KV_E5M2, v_scale);
-  else
-    attend_all(q, kv, slots, ld_slots, lens, B, H, KVH, D, scale, probs, lmax, out, KV_F32, 1.f);
+  const float ks = fmt == KV_F32 ? scale : scale * k_scale * FP8_UNIT(fmt);
+  const float vs = fmt == KV_F32 ? 1.f : v_scale * FP8_UNIT(fmt);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t kh = 0; kh < KVH; kh++) {
+      const float *qg = q + (b * H + kh * G) * D;
+      float *pg = probs + (b * KVH + kh) * G * lmax, *og = out + (b * H + kh * G) * D;
+      if (fmt == KV_E4M3)
+        attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
+                     KV_E4M3, vs);
+      else if (fmt == KV_E5M2)
+        attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
+                     KV_E5M2, vs);
+      else
+        attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
+                     KV_F32, vs);
+    }
   if (!mass) return;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < B; b++)
