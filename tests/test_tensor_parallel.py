@@ -133,12 +133,13 @@ def test_shutdown_and_garbage_collection_leave_no_worker(tiny_llama):
     llm = LLM(tiny_llama, tensor_parallel_size=2, num_gpu_blocks_override=32)
     executor = llm.llm_engine.model_executor
     (worker,) = executor.procs
-    shm = executor.tp.shm            # the forward's sums went through shared memory
-    segment = f"/dev/shm/{shm.name.lstrip('/')}"
+    tp = executor.tp                 # sums, logits and step inputs went through shared memory
+    shms = [tp.shm, tp.shm_gather, tp.shm_bcast]
+    segments = [f"/dev/shm/{shm.name.lstrip('/')}" for shm in shms]
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
-    assert shm.calls > 0 and os.path.exists(segment)
+    assert all(shm.calls > 0 for shm in shms) and all(map(os.path.exists, segments))
     llm.llm_engine.shutdown()
-    assert not worker.is_alive() and not os.path.exists(segment)
+    assert not worker.is_alive() and not any(map(os.path.exists, segments))
     llm = LLM(tiny_llama, tensor_parallel_size=2, num_gpu_blocks_override=32)
     (worker,) = llm.llm_engine.model_executor.procs
     del llm

@@ -1,54 +1,41 @@
 """ShmAllReduce: a float32 sum over the ranks of one host through shared memory.
 
-gloo's all-reduce costs ~0.7 ms a call on the 2-core AMD EPYC host (p90 4 ms), and a decode step
-of a 30-layer model makes 62 of them; this one costs ~20-30 us (benchmarks/benchmark_tp.py).
+gloo's all-reduce costs ~0.5 ms a call on the 2-core AMD EPYC host (p90 4 ms), and a decode step
+of a 30-layer model makes 62 of them; this one costs ~20 us (benchmarks/benchmark_tp.py).
 
-Layout: a counter per rank (one cache line each), then two sets (by call parity) of one slot
-per rank. Call k on rank r: copy the tensor into slot[k % 2][r], publish k in counter[r], wait
-until every counter reaches k, then sum slot[k % 2][0..N-1] in rank order, so every rank gets
-bitwise the same result. Two sets suffice: a rank can start call k + 2 (overwriting its
-k-parity slot) only after every rank published k + 1, i.e. finished reading call k. On x86 the
-stores of the copy are visible before the counter's (stores are not reordered), and a reader
-reads the counter before the slots.
-
-Waiting spins (the ranks are bound to their own cores), then naps; while napping it asks
-`peer_alive` (a dead peer never publishes) and gives up after the group's timeout.
+Layout (an ShmSegment): a counter per rank (one cache line each), then two sets (by call
+parity) of one slot per rank. Call k on rank r: copy the tensor into slot[k % 2][r], publish k
+in counter[r], wait until every counter reaches k, then sum slot[k % 2][0..N-1] in rank order
+into the tensor, so every rank gets bitwise the same result. Two sets suffice: a rank can start
+call k + 2 (overwriting its k-parity slot) only after every rank published k + 1, i.e. finished
+reading call k. On x86 the stores of the copy are visible before the counter's (stores are not
+reordered), and a reader reads the counter before the slots.
 """
-import time
-from multiprocessing import shared_memory
-from typing import Callable, Optional
+from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
-LINE = 64                     # bytes per counter: one cache line each
-SPIN_S = 0.002                # spin this long, then nap between looks
-NAP_S = 0.0002
-CHECK_S = 0.5                 # while napping, ask peer_alive this often
+from vllm.distributed.shm_segment import LINE, ShmSegment
 
-
-class PeerGone(RuntimeError):
-    """A rank stopped taking part (it died, or did not arrive within the timeout)."""
+MAX_SHAPES = 64               # slot views kept (a step's row count varies)
 
 
 class ShmAllReduce:
     def __init__(self, rank: int, world_size: int, max_floats: int, name: Optional[str] = None,
                  timeout_s: float = 600.0):
         """Rank 0 creates the segment (name None) and shares .name; the others attach."""
-        self.rank, self.n, self.max_floats, self.timeout_s = rank, world_size, max_floats, \
-            timeout_s
-        size = world_size * LINE + 2 * world_size * max_floats * 4
-        # the creator alone unlinks it; spawned ranks share its resource tracker, in which an
-        # attach registers the same name again (a no-op), so nothing else is to be done
-        self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=size)
-        self.name = self.shm.name
-        self.counters = np.ndarray((world_size, LINE // 8), np.int64, self.shm.buf)[:, 0]
-        self.slots = np.ndarray((2, world_size, max_floats), np.float32, self.shm.buf,
-                                offset=world_size * LINE)
-        if name is None:
-            self.counters[:] = 0
+        assert world_size >= 2, "a sum over one rank needs no shared memory"
+        self.rank, self.n, self.max_floats = rank, world_size, max_floats
+        self.seg = ShmSegment(rank, self.nbytes(world_size, max_floats), name, timeout_s)
+        self.name = self.seg.name
+        self.counters = self.seg.counters(world_size)
+        self.slots = self.seg.floats((2, world_size, max_floats), world_size * LINE)
         self.calls = 0
-        self.peer_alive: Callable[[], bool] = lambda: True
+        self._views: Dict[Tuple[int, torch.Size], List[torch.Tensor]] = {}
+
+    @staticmethod
+    def nbytes(world_size: int, max_floats: int) -> int:
+        return world_size * LINE + 2 * world_size * max_floats * 4
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.dtype == torch.float32 and t.device.type == "cpu" and \
@@ -57,45 +44,30 @@ class ShmAllReduce:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """t += the other ranks' t (in place; t float32 on the CPU, at most max_floats)."""
         self.calls += 1
-        k, n = self.calls, t.numel()
-        slots = self.slots[k % 2]
-        slots[self.rank, :n] = t.reshape(-1).numpy()
+        k = self.calls
+        slots = self._slots(k % 2, t.shape)
+        slots[self.rank].copy_(t)
         self.counters[self.rank] = k
-        self._wait(k)
-        total = torch.from_numpy(slots[0, :n].copy())
-        for r in range(1, self.n):
-            total += torch.from_numpy(slots[r, :n])
-        t.copy_(total.view(t.shape))
+        self.seg.wait_for(self.counters, k, "all-reduce")
+        torch.add(slots[0], slots[1], out=t)      # (s0 + s1) + s2 + ...: rank order
+        for s in slots[2:]:
+            t += s
         return t
 
-    def _wait(self, k: int) -> None:
-        counters = self.counters
-        if counters.min() >= k:
-            return
-        start = time.perf_counter()
-        while counters.min() < k:
-            if time.perf_counter() - start > SPIN_S:
-                break
-        last_check = start
-        while counters.min() < k:
-            time.sleep(NAP_S)
-            now = time.perf_counter()
-            if now - last_check > CHECK_S:
-                last_check = now
-                if not self.peer_alive():
-                    raise PeerGone(f"rank {self.rank}: a peer left the shared-memory all-reduce")
-                if now - start > self.timeout_s:
-                    raise PeerGone(f"rank {self.rank}: the shared-memory all-reduce waited "
-                                   f"{self.timeout_s:.0f} s for a peer")
+    def _slots(self, parity: int, shape: torch.Size) -> List[torch.Tensor]:
+        """Every rank's slot of this parity as a tensor of `shape`, kept per shape (slicing a
+        tensor costs several us, and a decode step makes 62 calls)."""
+        key = (parity, shape)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= MAX_SHAPES:
+                self._views.clear()
+            n = shape.numel()
+            views = self._views[key] = [self.slots[parity, r, :n].view(shape)
+                                        for r in range(self.n)]
+        return views
 
     def close(self) -> None:
-        if self.shm is None:
-            return
         self.counters = self.slots = None
-        try:
-            self.shm.close()
-        except BufferError:      # a view still alive somewhere: the mapping goes with it
-            pass
-        if self.rank == 0:
-            self.shm.unlink()
-        self.shm = None
+        self._views = {}
+        self.seg.close()

@@ -5,9 +5,13 @@
     gather_vocab(logits)  rank 0 gets [rows, vocab] from every rank's [rows, vocab shard]
     broadcast_object(x)   rank 0's picklable x on every rank (the step input, control calls)
 
-On one host (the mp executor) float32 sums up to `shm_floats` go through shared memory
-(ShmAllReduce, ~25x faster than gloo's all-reduce on the 2-core host); larger ones, other ops and
-other devices use the process group.
+On one host (the mp executor, CPU) each has a shared-memory path, sized by the caller:
+float32 sums up to `shm_floats` (ShmAllReduce, ~25x faster than gloo's all-reduce on the 2-core
+host), gathers up to `shm_gather_floats` per rank (ShmGather), objects up to
+`shm_broadcast_bytes` pickled (ShmBroadcast). Larger ones, other ops, other devices (NCCL) and
+ranks on other hosts (Ray) use the process group; so does everything when /dev/shm has no room.
+Rank 0 creates the segments and names them in the store (an empty name: none); shutdown()
+removes them.
 
 World size 1 is the same object with nothing to talk to: every call returns at once, so the
 single-process model and worker run the same code. The group is a torch.distributed process
@@ -15,6 +19,7 @@ group built straight on a TCPStore (gloo on CPU, NCCL on CUDA), not the process-
 group: two engines in one process (tests, a server and a benchmark) each get their own.
 """
 import datetime
+import logging
 import pickle
 import time
 from typing import Any, Callable, Optional
@@ -23,6 +28,11 @@ import torch
 import torch.distributed as dist
 
 from vllm.distributed.shm_all_reduce import ShmAllReduce
+from vllm.distributed.shm_broadcast import ShmBroadcast
+from vllm.distributed.shm_gather import ShmGather
+from vllm.distributed.shm_segment import host_has_room
+
+logger = logging.getLogger(__name__)
 
 # a worker that hangs (not dies: a dead one closes its sockets and fails the collective at once)
 # fails the step after this long
@@ -41,28 +51,58 @@ class TPGroup:
     def __init__(self, rank: int = 0, world_size: int = 1, host: str = "127.0.0.1",
                  port: int = 0, device: torch.device = torch.device("cpu"),
                  timeout_s: float = DEFAULT_TIMEOUT_S, connect: bool = True,
-                 shm_floats: int = 0, peer_alive: Optional[Callable[[], bool]] = None):
+                 shm_floats: int = 0, shm_gather_floats: int = 0, shm_broadcast_bytes: int = 0,
+                 peer_alive: Optional[Callable[[], bool]] = None):
         """Rank 0 hosts the store (port 0: any free port, read it from .port); connect=False
-        leaves joining the group (which waits for every rank) to connect(). shm_floats > 0
-        (ranks on one host, CPU): sums of up to that many floats go through shared memory;
-        peer_alive tells that path whether the other ranks are still there."""
+        leaves joining the group (which waits for every rank) to connect(). The shm_* sizes
+        (ranks on one host, CPU; 0: none) must be the same on every rank; peer_alive tells the
+        shared-memory paths whether the other ranks are still there."""
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.timeout_s = timeout_s
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = self.pg = self.shm = None
+        self.store = self.pg = None
+        self.shm: Optional[ShmAllReduce] = None
+        self.shm_gather: Optional[ShmGather] = None
+        self.shm_bcast: Optional[ShmBroadcast] = None
         self.comm_seconds = 0.0        # host time spent waiting in collectives (benchmarks)
         if world_size == 1:
             return
         self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout,
                                    wait_for_workers=False)
-        self.shm: Optional[ShmAllReduce] = None
-        if shm_floats and self.device.type == "cpu":
-            name = None if rank == 0 else self.store.get("shm_all_reduce").decode()
-            self.shm = ShmAllReduce(rank, world_size, shm_floats, name, timeout_s)
-            self.shm.peer_alive = peer_alive or (lambda: True)
-            if rank == 0:
-                self.store.set("shm_all_reduce", self.shm.name)
+        if self.device.type == "cpu":
+            self._shm_bytes = 0
+            alive = peer_alive or (lambda: True)
+            self.shm = self._shm_setup("shm_all_reduce", ShmAllReduce, shm_floats, alive)
+            self.shm_gather = self._shm_setup("shm_gather", ShmGather, shm_gather_floats, alive)
+            self.shm_bcast = self._shm_setup("shm_broadcast", ShmBroadcast, shm_broadcast_bytes,
+                                             alive)
         if connect:
             self.connect()
+
+    def _shm_setup(self, key: str, cls, size: int, peer_alive: Callable[[], bool]):
+        """Rank 0 creates cls's segment when size > 0 and /dev/shm has room for it beside the
+        ones before, and names it under key in the store ("": none); the others attach to the
+        one it named."""
+        if self.rank == 0:
+            obj = None
+            nbytes = cls.nbytes(self.world_size, size) if size > 0 else 0
+            if nbytes and host_has_room(self._shm_bytes + nbytes):
+                try:
+                    obj = cls(0, self.world_size, size, None, self.timeout_s)
+                    self._shm_bytes += nbytes
+                except OSError as e:
+                    logger.warning("no shared memory for the %s (%s): it uses the process group",
+                                   key, e)
+            elif nbytes:
+                logger.warning("/dev/shm has no room for the %s (%d MiB): it uses the process "
+                               "group", key, nbytes >> 20)
+            self.store.set(key, obj.name if obj is not None else "")
+        else:
+            name = self.store.get(key).decode()
+            obj = cls(self.rank, self.world_size, size, name, self.timeout_s) if name else None
+        if obj is not None:
+            obj.seg.peer_alive = peer_alive
+        return obj
 
     def connect(self) -> None:
         if self.device.type == "cuda":
@@ -90,6 +130,11 @@ class TPGroup:
         along the vocabulary and trimmed to vocab_size on rank 0; None on the others."""
         if self.pg is None:
             return local[:, :vocab_size]
+        if self.shm_gather is not None and self.shm_gather.fits(local):
+            t0 = time.perf_counter()
+            out = self.shm_gather(local)
+            self.comm_seconds += time.perf_counter() - t0
+            return out[:, :vocab_size] if out is not None else None
         parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 \
             else []
         opts = dist.GatherOptions()
@@ -98,10 +143,18 @@ class TPGroup:
         return torch.cat(parts, dim=1)[:, :vocab_size] if self.rank == 0 else None
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's obj, pickled once: its length, then its bytes (two broadcasts)."""
+        """Rank 0's obj, pickled once: through shared memory, or over the process group (its
+        length, then its bytes: two broadcasts)."""
         if self.pg is None:
             return obj
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
+        if self.shm_bcast is not None:
+            t0 = time.perf_counter()
+            sent, got = (self.shm_bcast.send(data), obj) if self.rank == 0 \
+                else self.shm_bcast.recv()
+            self.comm_seconds += time.perf_counter() - t0
+            if sent:
+                return got
         size = torch.tensor([len(data)], dtype=torch.int64)
         self._broadcast(size)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 \
@@ -129,6 +182,7 @@ class TPGroup:
             self.all_reduce(torch.zeros(1, device=self.device))
 
     def shutdown(self) -> None:
-        if self.shm is not None:
-            self.shm.close()
-        self.pg = self.store = self.shm = None
+        for shm in (self.shm, self.shm_gather, self.shm_bcast):
+            if shm is not None:
+                shm.close()
+        self.pg = self.store = self.shm = self.shm_gather = self.shm_bcast = None

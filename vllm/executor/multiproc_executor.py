@@ -24,10 +24,18 @@ from vllm.executor.tp_driver_executor import JOIN_TIMEOUT_S, TPDriverExecutor, r
 logger = logging.getLogger(__name__)
 
 
-def shm_floats(config: VllmConfig) -> int:
-    """The largest all-reduce of the model's forward: hidden states of a full step."""
-    return config.model_config.hf_config.hidden_size * \
-        config.scheduler_config.max_num_batched_tokens
+SHM_BROADCAST_BYTES = 4 << 20    # a pickled step input; a larger one goes over gloo
+
+
+def shm_sizes(config: VllmConfig) -> dict:
+    """TPGroup's shared-memory sizes: the largest all-reduce of the forward (hidden states of a
+    full step), the largest logits gather (a full batch's rows of one vocabulary shard) and a
+    step input; larger ones use gloo."""
+    hf, sc = config.model_config.hf_config, config.scheduler_config
+    n = config.parallel_config.tensor_parallel_size
+    return {"shm_floats": hf.hidden_size * sc.max_num_batched_tokens,
+            "shm_gather_floats": sc.max_num_seqs * -(-hf.vocab_size // n),
+            "shm_broadcast_bytes": SHM_BROADCAST_BYTES}
 
 
 def worker_main(config: VllmConfig, rank: int, port: int, cores: List[int], conn) -> None:
@@ -40,8 +48,8 @@ def worker_main(config: VllmConfig, rank: int, port: int, cores: List[int], conn
         parent = os.getppid()
         serve_rank(config, rank, TPGroup(rank, n, port=port,
                                          device=rank_device(config.model_config.device, rank, n),
-                                         shm_floats=shm_floats(config),
-                                         peer_alive=lambda: os.getppid() == parent))
+                                         peer_alive=lambda: os.getppid() == parent,
+                                         **shm_sizes(config)))
     except BaseException as e:   # noqa: BLE001 -- reported, then the process ends
         try:
             conn.send(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -75,8 +83,8 @@ class MultiprocExecutor(TPDriverExecutor):
         self.procs: List[multiprocessing.Process] = []
         procs = self.procs     # (not self: the group must not keep the executor alive)
         self.tp = TPGroup(0, n, device=rank_device(config.model_config.device, 0, n),
-                          connect=False, shm_floats=shm_floats(config),
-                          peer_alive=lambda: all(p.is_alive() for p in procs))
+                          connect=False, peer_alive=lambda: all(p.is_alive() for p in procs),
+                          **shm_sizes(config))
         ctx = multiprocessing.get_context("spawn")
         self.conns = []
         for rank in range(1, n):
