@@ -65,6 +65,8 @@ def prefill_reference(q, k, v, mask, scale):
 # ---- Triton kernels compiled for a CUDA target without a GPU (Triton ships ptxas) ---------------
 # Run these in a process without TRITON_INTERPRET (an interpreted @triton.jit cannot compile).
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# an fp8 KV cache: a case's dtype "bf16+e4m3" is q/out in bf16 over an e4m3fn cache
+FP8_KV = {"e4m3": ("fp8e4nv", "float8_e4m3fn"), "e5m2": ("fp8e5", "float8_e5m2")}
 # integer arguments that are multiples of 16 at the engine's shapes (head_dim 64/128): the JIT
 # specializes them (tt.divisibility 16), and so do these compiles; slot/mass row strides are
 # max_model_len, which may be anything, and are left unspecialized
@@ -72,10 +74,26 @@ ALIGNED_INTS = ("stride_qb", "stride_qh", "stride_slot", "stride_kv", "stride_he
                 "stride_oh")
 
 
+def split_dtype(dtype: str):
+    """A case's dtype -> (q dtype, KV cache dtype), Triton names: "bf16" -> (bf16, bf16),
+    "bf16+e4m3" -> (bf16, fp8e4nv)."""
+    q, _, kv = dtype.partition("+")
+    return q, FP8_KV[kv][0] if kv else q
+
+
+def torch_dtypes(dtype: str):
+    """A case's dtype -> (q torch dtype, cache torch dtype)."""
+    import torch
+    q, _, kv = dtype.partition("+")
+    return getattr(torch, DTYPES[q]), getattr(torch, FP8_KV[kv][1] if kv else DTYPES[q])
+
+
 def kernel_signature(fn, dtype: str, constexprs: dict):
-    """(signature, attrs) of a decode-path kernel as decode_attention launches it: q/kv/out in
-    `dtype`, int64 slots and lens, other pointers fp32, 16-byte aligned pointers and strides."""
-    types = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+    """(signature, attrs) of a decode-path kernel as decode_attention launches it: q/out (and
+    the cache, unless fp8: split_dtype) in `dtype`, int64 slots and lens, other pointers fp32
+    (an fp8 cache's scale row too), 16-byte aligned pointers and strides."""
+    q, kv = split_dtype(dtype)
+    types = {"q_ptr": f"*{q}", "kv_ptr": f"*{kv}", "out_ptr": f"*{q}",
              "slots_ptr": "*i64", "lens_ptr": "*i64", "scale": "fp32"}
     sig, attrs = {}, {}
     for i, a in enumerate(fn.arg_names):
@@ -89,33 +107,34 @@ def kernel_signature(fn, dtype: str, constexprs: dict):
 
 
 def decode_kernel_specs(dtype: str, d: int, g: int) -> dict:
-    """{name: (fn, constexprs, num_warps)}: every decode-path kernel with the block sizes and
-    warps decode_attention picks for head_dim d, g query heads per KV head and this dtype."""
-    import torch
-
+    """{name: (fn, constexprs, options)}: every decode-path kernel with the block sizes, warps
+    and pipelining decode_attention picks for head_dim d, g query heads per KV head and this
+    dtype."""
     from vllm.attention import triton_decode as td
-    cfg = td._config(g, d, getattr(torch, DTYPES[dtype]))
+    q, kv = torch_dtypes(dtype)
+    cfg = td._config(g, d, kv, q)
     tile = dict(G=g, D=d, BLOCK_G=cfg.block_g, BLOCK_D=cfg.block_d)
+    attention = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return {
         "decode": (td._decode_kernel, {**tile, "BLOCK_N": cfg.block_n, "WANT_STATS": False},
-                   cfg.num_warps),
+                   attention),
         "decode_stats": (td._decode_kernel, {**tile, "BLOCK_N": cfg.block_n, "WANT_STATS": True},
-                         cfg.num_warps),
-        "split": (td._split_kernel, {**tile, "BLOCK_N": cfg.block_n}, cfg.num_warps),
+                         attention),
+        "split": (td._split_kernel, {**tile, "BLOCK_N": cfg.block_n}, attention),
         "reduce": (td._reduce_kernel, dict(D=d, BLOCK_S=td.REDUCE_CHUNK, BLOCK_D=cfg.block_d,
-                                           WANT_STATS=True), cfg.num_warps),
-        "mass": (td._mass_kernel, {**tile, "BLOCK_N": cfg.mass_block_n}, cfg.num_warps),
+                                           WANT_STATS=True), dict(num_warps=cfg.num_warps)),
+        "mass": (td._mass_kernel, {**tile, "BLOCK_N": cfg.mass_block_n}, attention),
     }
 
 
-def compile_kernel(fn, dtype: str, constexprs: dict, num_warps: int, capability: int = 90):
+def compile_kernel(fn, dtype: str, constexprs: dict, options: dict, capability: int = 90):
+    """options: the launch's num_warps (and num_stages, where decode_attention sets it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig, attrs = kernel_signature(fn, dtype, constexprs)
     return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", capability, 32),
-                          options=dict(num_warps=num_warps))
+                          target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def _cuobjdump(cubin: bytes, *args: str) -> str:
@@ -151,9 +170,9 @@ def compile_decode_kernels(cases, capability: int = 90) -> dict:
     """cases: (dtype, head_dim, g, kernel name) -> {"dtype/d/g/name": resource_usage}."""
     out = {}
     for dtype, d, g, name in cases:
-        fn, consts, warps = decode_kernel_specs(dtype, d, g)[name]
+        fn, consts, options = decode_kernel_specs(dtype, d, g)[name]
         out[f"{dtype}/{d}/{g}/{name}"] = resource_usage(
-            compile_kernel(fn, dtype, consts, warps, capability))
+            compile_kernel(fn, dtype, consts, options, capability))
     return out
 
 
@@ -173,15 +192,16 @@ def compile_kernels(capability: int) -> dict:
                                       constexprs={"ROW": 1024, "BLOCK": 1024}), target=target)
     sizes["relocate"] = len(kernel.asm["cubin"])
     for dtype, mass in (("fp16", True), ("fp32", False)):
-        fn, consts, warps = decode_kernel_specs(dtype, 128, 4)["decode_stats" if mass
-                                                               else "decode"]
+        fn, consts, options = decode_kernel_specs(dtype, 128, 4)["decode_stats" if mass
+                                                                 else "decode"]
         sizes[f"decode_{dtype}_mass{int(mass)}"] = len(
-            compile_kernel(fn, dtype, consts, warps, capability).asm["cubin"])
+            compile_kernel(fn, dtype, consts, options, capability).asm["cubin"])
     # split-K decode and the mass pass (what CUDA graph buckets with long views run), in bf16
     # (the engine's dtype on CUDA)
-    for name, (fn, consts, warps) in decode_kernel_specs("bf16", 128, 4).items():
+    for name, (fn, consts, options) in decode_kernel_specs("bf16", 128, 4).items():
         if name in ("split", "reduce", "mass"):
-            sizes[name] = len(compile_kernel(fn, "bf16", consts, warps, capability).asm["cubin"])
+            sizes[name] = len(compile_kernel(fn, "bf16", consts, options,
+                                             capability).asm["cubin"])
     write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
              **{f"stride_{n}": "i32" for n in ("kt", "kh", "vt", "vh", "slot", "kv", "head")}}
     consts = dict(KVH=8, D=128, BLOCK_H=8, BLOCK_D=128)
@@ -190,6 +210,23 @@ def compile_kernels(capability: int) -> dict:
                                       constexprs=consts), target=target)
     sizes["write_kv"] = len(kernel.asm["cubin"])
     return sizes
+
+
+def compile_write_kv_fp8(cache: str, capability: int = 90, kvh: int = 8, d: int = 128):
+    """The quantizing KV write kernel, bf16 K/V into a `cache`-typed pool (fp8e4nv, fp8e5)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm.attention import triton_write_kv
+    write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": f"*{cache}", "scale_ptr": "*fp32",
+             "slot_ptr": "*i64",
+             **{f"stride_{n}": "i32" for n in ("kt", "kh", "vt", "vh", "slot", "kv", "head")}}
+    consts = dict(KVH=kvh, D=d, BLOCK_H=triton.next_power_of_2(kvh),
+                  BLOCK_D=triton.next_power_of_2(d))
+    return triton.compile(ASTSource(triton_write_kv._write_kv_fp8_kernel,
+                                    {**write, **{c: "constexpr" for c in consts}},
+                                    constexprs=consts), target=GPUTarget("cuda", capability, 32))
 
 
 def install_fake_xformers(monkeypatch, memory_efficient_attention, **attn_bias_classes):

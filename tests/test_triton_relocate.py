@@ -1,7 +1,8 @@
 """The Triton relocation fallback (vllm/attention/triton_relocate.py) against torch on CPU, under
 TRITON_INTERPRET=1: its grid goes over (moves x layer chunks), and every layer count (below, at
 and off the chunk), row size (one tile, several tiles, 1-word rows), dtype and a strided cache
-(a gap between layers) copies bit-exactly. On CUDA: tests/gpu/test_gpu_kernels.py."""
+(a gap between layers) copies bit-exactly; fp8 caches (--kv-cache-dtype) too, NaN codes
+included (more in tests/test_triton_fp8.py). On CUDA: tests/gpu/test_gpu_kernels.py."""
 import os
 
 import pytest
@@ -44,6 +45,8 @@ def test_every_layer_count_and_dtype(layers, dtype):
 @pytest.mark.parametrize("kvh,d,dtype", [(1, 3, torch.bfloat16),     # 12-byte rows: int32 words
                                          (1, 1, torch.float16),      # one 4-byte word per row
                                          (1, 1, torch.uint8),        # 2-byte rows: int16
+                                         (1, 3, torch.float8_e5m2),  # 6-byte rows: int16
+                                         (8, 64, torch.float8_e4m3fn),   # 1 KB: int64 words
                                          (8, 128, torch.float32)])   # 1024 words: two tiles
 def test_row_sizes(kvh, d, dtype):
     check(9, 16, kvh, d, dtype, 3)

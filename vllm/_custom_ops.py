@@ -15,6 +15,12 @@
     argmax_rows        torch max                                    C kernel (float32), else
                                                                     torch max
 
+An fp8 KV cache (--kv-cache-dtype fp8*, vllm/attention/kv_quant.py) takes the same paths:
+relocation copies its uint8 view (bytes, on every backend); on CUDA the Triton write_kv
+quantizes and the Triton decode kernels dequantize in registers, both reading the layer's
+scales from device memory; the torch paths (prefill on either device, the decode fallback)
+dequantize what they gather (kv_quant.gather) with the same device scales.
+
 The attention layer (vllm/attention/backend.py) reaches every kernel through these functions.
 
 `backend=` (per call) or the VLLM_KERNEL_BACKEND environment variable ("cuda", "triton", "cpu",
@@ -119,13 +125,19 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
              v: torch.Tensor, backend: Optional[str] = None) -> None:
     """kv_cache [S, 2, KVH, D]: this step's K/V [T, KVH, D] into their slots. A slot < 0
     (padding) writes nothing; plain advanced indexing would write slot -1, the pool's last.
-    An fp8 cache (CPU) stores them quantized with its layer's scales (kv_quant.write)."""
+    An fp8 cache stores them quantized with its layer's scales: on Triton from the device
+    scale row (CUDA graphs), on torch through kv_quant.write; either way the layer's first real
+    write calibrates it under --calculate-kv-scales (never inside a graph capture)."""
+    which = _pick(backend, kv_cache.is_cuda, ("triton", "torch"))
     if kv_quant.is_fp8(kv_cache):
-        kv_quant.write(kv_cache, slot_mapping, k, v)
-        return
-    if _pick(backend, kv_cache.is_cuda, ("triton", "torch")) == "triton":
+        if which == "torch":
+            kv_quant.write(kv_cache, slot_mapping, k, v)
+            return
+        kv_quant.calibrate_if_needed(kv_cache, k, v, slot_mapping)
+    if which == "triton":
         from vllm.attention.triton_write_kv import write_kv as triton_write_kv
-        triton_write_kv(kv_cache, slot_mapping, k, v)
+        scales = kv_quant.scale_row(kv_cache) if kv_quant.is_fp8(kv_cache) else None
+        triton_write_kv(kv_cache, slot_mapping, k, v, scales)
         return
     kv = torch.stack((k, v), dim=1)
     padded = slot_mapping < 0

@@ -17,6 +17,17 @@ any view of that cache (one layer's [S, 2, KVH, D], the whole [L, S, 2, KVH, D])
 layers' scales with layer_scales() / scales_of(). An fp8 tensor nobody registered (tests) reads
 with scale 1.0. torch on CPU has no fp8 index_put / index_copy: writes and copies go through the
 uint8 view of the same bytes (bytes()).
+
+Each layer's scales live twice: host floats (the C kernels' arguments, never a device sync) and
+a row of a float32 table on the cache's device that the Triton kernels read through a pointer
+(scale_row()):
+
+    table [L, 4]   layer i: (k_scale, v_scale, 1 / k_scale, 1 / v_scale)   16 bytes a row
+
+The table is allocated once by register() and only ever written in place (calibrate(),
+set_scales()), so CUDA graphs captured at start-up read the scales that --calculate-kv-scales
+sets at the first prefill, after capture. A write with no real token (slot < 0 only: a graph's
+warm-up) does not calibrate, and nothing calibrates while a graph is being captured.
 """
 import weakref
 from dataclasses import dataclass, field
@@ -33,13 +44,36 @@ FORMAT_CODES = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return is_fp8_dtype(t.dtype)
+
+
+def is_fp8_dtype(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
     return FP8_DTYPES[kv_cache_dtype]
+
+
+def check_device(kv_cache_dtype: str, device: torch.device) -> None:
+    """A clear ValueError, naming the flag, where `device` cannot run this cache format: fp8
+    runs on CPU (the C kernels, torch) and on CUDA from sm_80 (Triton; torch without it), but
+    Triton has no e4m3fn before sm_89 (Ada, Hopper), so fp8 / fp8_e4m3 there is refused."""
+    if kv_cache_dtype == "auto" or device.type == "cpu":
+        return
+    flag = f"--kv-cache-dtype {kv_cache_dtype}"
+    if device.type != "cuda":
+        raise ValueError(f"{flag}: an fp8 KV cache runs on cpu and cuda, not {device.type}; "
+                         f"use --kv-cache-dtype auto")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise ValueError(f"{flag}: sm_{major}{minor} GPU; the fp8 KV cache's kernels need sm_80 "
+                         f"or newer; use --kv-cache-dtype auto")
+    if FP8_DTYPES[kv_cache_dtype] == torch.float8_e4m3fn and (major, minor) < (8, 9):
+        raise ValueError(f"{flag}: sm_{major}{minor} GPU; e4m3 needs sm_89 or newer (Triton has no "
+                         f"e4m3fn before Ada); use --kv-cache-dtype fp8_e5m2 or auto")
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -77,7 +111,15 @@ class _Scales:
     k: List[float]
     v: List[float]
     calculate: bool
+    table: torch.Tensor                   # [L, 4] on the cache's device (module docstring)
     calibrated: List[bool] = field(default_factory=list)
+
+    def set(self, i: int, k: float, v: float) -> None:
+        """Layer i's scales, as float32 values, on the host and in the device table (in place:
+        the pointers graphs captured stay valid)."""
+        self.k[i], self.v[i] = float(np.float32(k)), float(np.float32(v))
+        row = [self.k[i], self.v[i], inverse(self.k[i]), inverse(self.v[i])]
+        self.table[i].copy_(torch.tensor(row, dtype=torch.float32))
 
 
 _REGISTRY: Dict[int, _Scales] = {}
@@ -85,24 +127,20 @@ _REGISTRY: Dict[int, _Scales] = {}
 
 def gather(kv_cache: torch.Tensor, slots: torch.Tensor,
            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """kv_cache [S, 2, KVH, D] rows at slots; an fp8 cache's dequantized (float32, then dtype:
-    the queries' dtype)."""
-    kv = kv_cache.index_select(0, slots)
+    """kv_cache [S, 2, KVH, D] rows at slots; an fp8 cache's dequantized into dtype (the
+    queries' dtype): fp8 -> dtype is exact, then one rounding of x * scale computed in float32
+    (dtype's tensor times the float32 scales), with the layer's device scales (no host sync)."""
     if not is_fp8(kv_cache):
-        return kv
-    ks, vs = layer_scales(kv_cache)
-    kv = kv.to(torch.float32)
-    if ks != 1.0 or vs != 1.0:
-        kv *= torch.tensor([ks, vs], dtype=torch.float32).view(1, 2, 1, 1)
-    return kv.to(dtype)
+        return kv_cache.index_select(0, slots)
+    kv = bytes_(kv_cache).index_select(0, slots).view(kv_cache.dtype).to(dtype)
+    return kv.mul_(scale_row(kv_cache)[:2].view(1, 2, 1, 1))
 
 
 def write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
           v: torch.Tensor) -> None:
     """The torch write of this step's K/V [T, KVH, D] into an fp8 cache [S, 2, KVH, D] (slots
     < 0 skipped), through the uint8 view (CPU torch has no fp8 index_put)."""
-    if needs_calibration(kv_cache):
-        calibrate(kv_cache, k, v, slot_mapping)
+    calibrate_if_needed(kv_cache, k, v, slot_mapping)
     ks, vs = layer_scales(kv_cache)
     kv = torch.stack((quantize(k, ks, kv_cache.dtype), quantize(v, vs, kv_cache.dtype)), dim=1)
     keep = slot_mapping >= 0
@@ -117,10 +155,11 @@ def _key(t: torch.Tensor) -> int:
 
 def register(kv_caches: torch.Tensor, calculate: bool = False) -> None:
     """kv_caches [L, S, 2, KVH, D] (fp8): scales 1.0 per layer; calculate: set each layer's on
-    its first write (calibrate())."""
+    its first write of a real token (calibrate())."""
     layers = kv_caches.shape[0]
     key = _key(kv_caches)
-    _REGISTRY[key] = _Scales([1.0] * layers, [1.0] * layers, calculate,
+    table = torch.ones(layers, 4, dtype=torch.float32, device=kv_caches.device)
+    _REGISTRY[key] = _Scales([1.0] * layers, [1.0] * layers, calculate, table,
                              [not calculate] * layers)
     weakref.finalize(kv_caches, _REGISTRY.pop, key, None)
 
@@ -142,8 +181,19 @@ def layer_scales(kv_cache: torch.Tensor) -> Tuple[float, float]:
     return s.k[i], s.v[i]
 
 
+def scale_row(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The device row (k, v, 1/k, 1/v) float32 [4] of one layer's fp8 cache view: what the
+    Triton kernels read through a pointer. The registered table's own row (a stable address);
+    an unregistered fp8 tensor (tests) gets a fresh row of ones."""
+    assert is_fp8(kv_cache), "scale_row: a float cache has no scales"
+    s = _REGISTRY.get(_key(kv_cache))
+    if s is None:
+        return torch.ones(4, dtype=torch.float32, device=kv_cache.device)
+    return s.table[_layer_of(kv_cache)]
+
+
 def scales_of(kv_caches: torch.Tensor) -> torch.Tensor:
-    """float32 [L, 2] (k, v) for a stacked cache view [L, S, 2, KVH, D]."""
+    """float32 [L, 2] (k, v) for a stacked cache view [L, S, 2, KVH, D] (on the host)."""
     n = kv_caches.shape[0]
     s = _REGISTRY.get(_key(kv_caches)) if is_fp8(kv_caches) else None
     if s is None:
@@ -159,26 +209,39 @@ def needs_calibration(kv_cache: torch.Tensor) -> bool:
     return s is not None and not s.calibrated[_layer_of(kv_cache)]
 
 
+def calibrate_if_needed(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slot_mapping: Optional[torch.Tensor] = None) -> None:
+    """calibrate() on a layer's first write, except while a CUDA graph is being captured (its
+    host reads would break the capture, and a graph's tokens are placeholders)."""
+    if needs_calibration(kv_cache) and not (kv_cache.is_cuda and
+                                            torch.cuda.is_current_stream_capturing()):
+        calibrate(kv_cache, k, v, slot_mapping)
+
+
 def calibrate(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: Optional[torch.Tensor] = None) -> None:
     """--calculate-kv-scales: the layer's scales from this first write's K and V (the tokens
-    actually written: slot >= 0)."""
+    actually written: slot >= 0). A write without such a token leaves the layer uncalibrated.
+    Reads amax on the host: a device sync, once per layer (the first prefill, eager)."""
     s = _REGISTRY[_key(kv_cache)]
-    i = _layer_of(kv_cache)
     if slot_mapping is not None:
         keep = slot_mapping >= 0
         k, v = k[keep], v[keep]
+    if k.numel() == 0:
+        return
     half = fp8_max(kv_cache.dtype) / 2
-    for which, x in (("k", k), ("v", v)):
-        amax = float(x.abs().max()) if x.numel() else 0.0
-        scale = amax / half if 0 < amax < float("inf") else 1.0
-        getattr(s, which)[i] = float(np.float32(scale))      # a float32 value, as C reads it
+    scales = []
+    for x in (k, v):
+        amax = float(x.abs().max())
+        scales.append(amax / half if 0 < amax < float("inf") else 1.0)
+    i = _layer_of(kv_cache)
+    s.set(i, *scales)
     s.calibrated[i] = True
 
 
 def set_scales(kv_caches: torch.Tensor, k: List[float], v: List[float]) -> None:
     """Fixed per-layer scales for a registered stacked cache (tests, a checkpoint's scales)."""
     s = _REGISTRY[_key(kv_caches)]
-    s.k = [float(np.float32(x)) for x in k]
-    s.v = [float(np.float32(x)) for x in v]
+    for i, (ks, vs) in enumerate(zip(k, v)):
+        s.set(i, ks, vs)
     s.calibrated = [True] * len(s.k)

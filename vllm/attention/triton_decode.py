@@ -7,17 +7,27 @@ Each attention program serves one KV head kh of request b and its G = H / KVH qu
                         entries past lens[b], and negative slots, are padding and never read
     kv_cache [S, 2, KVH, D]              K = kv_cache[slot, 0, kh], V = kv_cache[slot, 1, kh]
     mass     [B, >= Lmax] optional: += attention probability of each key summed over all heads
+    kv_scale fp8 caches: the layer's float32 (k, v, 1/k, 1/v) in device memory (kv_quant.scale_row)
 
 Dot products: bf16/fp16 caches run both dots (q K^T and p V) on tensor cores (mma) with fp32
 accumulation, p cast to the cache dtype; an fp32 cache keeps exact fp32 FMA dots
 (input_precision "ieee", no tf32), which the float64 interpreter tests and the fp32 runs
 compared token for token against transformers rely on. Softmax statistics are always fp32.
+
+An fp8 cache (e4m3fn / e5m2, --kv-cache-dtype) is dequantized in registers: K and V tiles are
+converted to q's dtype (exact: every fp8 value is a bf16/fp16/fp32 value), so the dots run as
+for a cache of q's dtype (tensor cores for bf16/fp16), and the per-layer scales are folded in
+where they cost one multiply: k_scale into the softmax scale (s = (q . k8) * scale * k_scale),
+v_scale into the output (out = acc * v_scale / l; split partials carry it already). The scales
+are loaded from kv_scale, never passed as Python floats: CUDA graphs captured at start-up read
+the values --calculate-kv-scales sets at the first prefill.
 The query-head block is G rounded up to a power of two, nothing more: the pinned Triton's
 tl.dot takes M < 16 on tensor cores (its NVIDIA min_dot_size is M, N >= 1, K >= 16; the
 m16n8k16 instruction pads the rows itself), so the softmax, q and acc hold only the group's
-rows. Block sizes and warps come from `_config` (shapes only); no kernel spills at head_dim
-64/128 and 1/4/8 query heads per KV head, bf16 or fp32 (tests/test_triton_sm90.py compiles
-them for sm_90 as the JIT specializes them, and checks).
+rows. Block sizes, warps and pipelining come from `_config` (shapes and dtypes only); no kernel
+spills at head_dim 64/128 and 1/4/8 query heads per KV head, bf16 or fp32, over a cache of that
+dtype or fp8 (tests/test_triton_sm90.py compiles them for sm_90 as the JIT specializes them,
+and checks).
 
 One split (grid (B, KVH), `_decode_kernel`): an online softmax over the row's keys.
 
@@ -62,6 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.attention import kv_quant
+
 MIN_TILES = 4          # BLOCK_N tiles per split at least, so a split's fixed costs stay small
 WAVES = 4              # programs per SM that the split heuristic aims for on CUDA
 CPU_PROGRAMS = 4       # the interpreter's target: ~1 ms per program instance
@@ -82,14 +94,36 @@ def _dot(a, b):
 
 
 @triton.jit
+def _dequant(x, dtype):
+    """A loaded K/V tile in the dots' dtype (an fp8 tile exactly: fp8 is a subset of each).
+    The interpreter goes through fp32: its direct e5m2 -> fp16 cast loses subnormals."""
+    if x.dtype.is_fp8() and _INTERPRETED:
+        return x.to(tl.float32).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _fp8_scales(kv_ptr, kv_scale_ptr, scale):
+    """(softmax scale with k_scale folded in, v_scale): an fp8 cache's from device memory."""
+    if kv_ptr.dtype.element_ty.is_fp8():
+        return scale * tl.load(kv_scale_ptr), tl.load(kv_scale_ptr + 1)
+    else:
+        return scale, 1.0
+
+
+@triton.jit
 def _load_q(q_ptr, kv_ptr, b, kh, stride_qb, stride_qh,
             G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """kh's G query heads of request b in the cache's dtype [BLOCK_G, BLOCK_D]; rows past G 0."""
+    """kh's G query heads of request b in the dots' dtype (the cache's; q's own over an fp8
+    cache) [BLOCK_G, BLOCK_D]; rows past G 0."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     q_off = b * stride_qb + (kh * G + g[:, None]) * stride_qh + d[None, :]
     q_mask = (g[:, None] < G) & (d[None, :] < D)
-    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(kv_ptr.dtype.element_ty)
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    if not kv_ptr.dtype.element_ty.is_fp8():
+        q = q.to(kv_ptr.dtype.element_ty)
     return q, q_off, q_mask
 
 
@@ -104,7 +138,7 @@ def _scores(q, kv_ptr, slots_row, n0, n_keys, kh, scale, stride_slot, stride_hea
     valid = (n < n_keys) & (slot >= 0)
     rows = kv_ptr + slot[:, None] * stride_slot + kh * stride_head + d[None, :]
     mask = valid[:, None] & (d[None, :] < D)
-    k = tl.load(rows, mask=mask, other=0.0)
+    k = _dequant(tl.load(rows, mask=mask, other=0.0), q.dtype)
     s = _dot(q, tl.trans(k)) * scale
     return tl.where(valid[None, :], s, float("-inf")), rows, mask, n
 
@@ -120,7 +154,7 @@ def _softmax_pass(q, kv_ptr, slots_row, start, end, kh, scale, stride_slot, stri
     for n0 in range(start, end, BLOCK_N):
         s, rows, mask, n = _scores(q, kv_ptr, slots_row, n0, end, kh, scale, stride_slot,
                                    stride_head, D, BLOCK_N, BLOCK_D)
-        v = tl.load(rows + stride_kv, mask=mask, other=0.0)
+        v = _dequant(tl.load(rows + stride_kv, mask=mask, other=0.0), q.dtype)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: exp(-inf - 0) = 0
         alpha = tl.exp(m - m_ref)
@@ -141,20 +175,22 @@ def _split_range(n_keys, split, num_splits, min_tiles, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, out_ptr, stats_ptr, scale,
+def _decode_kernel(q_ptr, kv_ptr, kv_scale_ptr, slots_ptr, lens_ptr, out_ptr, stats_ptr, scale,
                    stride_qb, stride_qh, stride_sb, stride_slot, stride_kv, stride_head,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WANT_STATS: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     n_keys = tl.load(lens_ptr + b).to(tl.int32)
+    scale, v_scale = _fp8_scales(kv_ptr, kv_scale_ptr, scale)
     q, q_off, q_mask = _load_q(q_ptr, kv_ptr, b, kh, stride_qb, stride_qh, G, D, BLOCK_G,
                                BLOCK_D)
     m, l, acc = _softmax_pass(q, kv_ptr, slots_ptr + b * stride_sb, 0, n_keys, kh, scale,
                               stride_slot, stride_kv, stride_head, D, BLOCK_G, BLOCK_N, BLOCK_D)
     m = tl.where(m == float("-inf"), 0.0, m)          # a row without keys: zeros, not NaN
     l = tl.where(l > 0, l, 1.0)
-    tl.store(out_ptr + q_off, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+    out = acc * (v_scale / l)[:, None]
+    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     if WANT_STATS:
         g = tl.arange(0, BLOCK_G)
         head = (b * tl.num_programs(1) + kh) * G + g
@@ -163,8 +199,8 @@ def _decode_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, out_ptr, stats_ptr, scale
 
 
 @triton.jit
-def _split_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, ml_ptr, acc_ptr, scale, min_tiles,
-                  stride_qb, stride_qh, stride_sb, stride_slot, stride_kv, stride_head,
+def _split_kernel(q_ptr, kv_ptr, kv_scale_ptr, slots_ptr, lens_ptr, ml_ptr, acc_ptr, scale,
+                  min_tiles, stride_qb, stride_qh, stride_sb, stride_slot, stride_kv, stride_head,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
@@ -173,6 +209,7 @@ def _split_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, ml_ptr, acc_ptr, scale, mi
     num_splits = tl.num_programs(2)
     n_keys = tl.load(lens_ptr + b).to(tl.int32)
     start, end = _split_range(n_keys, split, num_splits, min_tiles, BLOCK_N)
+    scale, v_scale = _fp8_scales(kv_ptr, kv_scale_ptr, scale)
     q, q_off, q_mask = _load_q(q_ptr, kv_ptr, b, kh, stride_qb, stride_qh, G, D, BLOCK_G,
                                BLOCK_D)
     m, l, acc = _softmax_pass(q, kv_ptr, slots_ptr + b * stride_sb, start, end, kh, scale,
@@ -182,7 +219,7 @@ def _split_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, ml_ptr, acc_ptr, scale, mi
     row = ((b * tl.num_programs(1) + kh) * G + g) * num_splits + split     # [B, H, splits]
     tl.store(ml_ptr + row * 2, m, mask=g < G)          # an empty split: m = -inf, l = 0, acc = 0
     tl.store(ml_ptr + row * 2 + 1, l, mask=g < G)
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=q_mask)
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc * v_scale, mask=q_mask)
 
 
 @triton.jit
@@ -225,8 +262,8 @@ def _reduce_kernel(ml_ptr, acc_ptr, out_ptr, stats_ptr, num_splits, stride_ob, s
 
 
 @triton.jit
-def _mass_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, stats_ptr, mass_ptr, scale, min_tiles,
-                 num_kv_heads, stride_qb, stride_qh, stride_sb, stride_slot, stride_head,
+def _mass_kernel(q_ptr, kv_ptr, kv_scale_ptr, slots_ptr, lens_ptr, stats_ptr, mass_ptr, scale,
+                 min_tiles, num_kv_heads, stride_qb, stride_qh, stride_sb, stride_slot, stride_head,
                  stride_mb, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """mass[b, n] += sum over all heads of exp(s - m) / l, for the keys of this split only."""
@@ -234,6 +271,7 @@ def _mass_kernel(q_ptr, kv_ptr, slots_ptr, lens_ptr, stats_ptr, mass_ptr, scale,
     split = tl.program_id(1)
     n_keys = tl.load(lens_ptr + b).to(tl.int32)
     start, end = _split_range(n_keys, split, tl.num_programs(1), min_tiles, BLOCK_N)
+    scale, _ = _fp8_scales(kv_ptr, kv_scale_ptr, scale)
     g = tl.arange(0, BLOCK_G)
     slots_row = slots_ptr + b * stride_sb
     for n0 in range(start, end, BLOCK_N):
@@ -260,14 +298,22 @@ class Config(NamedTuple):
     block_d: int
     num_warps: int          # every decode-path kernel
     mass_block_n: int
+    num_stages: int         # the attention and mass kernels' software pipelining depth
 
 
-def _config(g: int, d: int, dtype: torch.dtype) -> Config:
-    """Block sizes from shapes and dtype only (never lens or the step's width), chosen so that
-    no kernel spills at head_dim <= 128, G <= 8 on sm_90 (tests/test_triton_sm90.py)."""
+def _config(g: int, d: int, dtype: torch.dtype,
+            q_dtype: Optional[torch.dtype] = None) -> Config:
+    """Block sizes from shapes and dtypes only (never lens or the step's width), chosen so that
+    no kernel spills at head_dim <= 128, G <= 8 on sm_90 (tests/test_triton_sm90.py). dtype is
+    the cache's, q_dtype the queries' (it matters over an fp8 cache only). Pipelining stays at
+    Triton's default (3 stages) except for fp32 dots over an fp8 cache: there the prefetched,
+    converted fp32 tiles need 158-255 registers (spilling at head_dim 128, G 8); one stage
+    takes 40-64."""
     block_g = triton.next_power_of_2(g)
     block_d = max(16, triton.next_power_of_2(d))
-    return Config(block_g=block_g, block_n=32, block_d=block_d, num_warps=4, mass_block_n=32)
+    stages = 1 if kv_quant.is_fp8_dtype(dtype) and q_dtype == torch.float32 else 3
+    return Config(block_g=block_g, block_n=32, block_d=block_d, num_warps=4, mass_block_n=32,
+                  num_stages=stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,10 +352,12 @@ class Plan(NamedTuple):
 
 def decode_plan(batch: int, heads: int, head_dim: int, kvh: int, slots: torch.Tensor,
                 dtype: torch.dtype, device: torch.device,
-                num_splits: Optional[int] = None) -> Plan:
+                num_splits: Optional[int] = None,
+                q_dtype: Optional[torch.dtype] = None) -> Plan:
     """Everything decode_attention decides before launching, from shapes only: the same for an
-    eager step and the CUDA graph bucket it would replay (tests/test_triton_decode_split.py)."""
-    cfg = _config(heads // kvh, head_dim, dtype)
+    eager step and the CUDA graph bucket it would replay (tests/test_triton_decode_split.py).
+    dtype: the cache's; q_dtype: the queries' (see _config)."""
+    cfg = _config(heads // kvh, head_dim, dtype, q_dtype)
     capacity = views_capacity(slots)
     if num_splits:
         return Plan(cfg, num_splits, num_splits, 1)
@@ -319,38 +367,47 @@ def decode_plan(batch: int, heads: int, head_dim: int, kvh: int, slots: torch.Te
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                      lens: torch.Tensor, scale: float, mass: Optional[torch.Tensor] = None,
-                     num_splits: Optional[int] = None) -> torch.Tensor:
+                     num_splits: Optional[int] = None,
+                     kv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """See the module docstring; `mass` (float32 [B, >= Lmax], unit stride along keys) is
     accumulated in place. num_splits forces the split count (tests), with splits as even as
-    whole tiles allow."""
+    whole tiles allow. kv_scale: an fp8 cache's float32 (k, v, 1/k, 1/v) on its device
+    (kv_quant.scale_row(kv_cache) when omitted)."""
     b, h, d = q.shape
     kvh = kv_cache.shape[2]
     assert h % kvh == 0 and kv_cache.stride(3) == 1 and q.stride(2) == 1
     assert mass is None or (mass.dtype == torch.float32 and mass.stride(1) == 1)
+    if kv_quant.is_fp8(kv_cache):
+        assert not kv_quant.is_fp8(q), "decode_attention: q in an fp8 dtype"
+        if kv_scale is None:
+            kv_scale = kv_quant.scale_row(kv_cache)
+        assert kv_scale.dtype == torch.float32 and kv_scale.numel() >= 2
+    else:
+        kv_scale = kv_cache       # placeholder pointer: a float cache has no scales
     out = torch.empty_like(q)
     cfg, splits, mass_splits, min_tiles = decode_plan(b, h, d, kvh, slots, kv_cache.dtype,
-                                                      q.device, num_splits)
+                                                      q.device, num_splits, q.dtype)
     stats = torch.empty(b, h, 2, dtype=torch.float32, device=q.device) if mass is not None \
         else out   # unused placeholder pointer when no mass is wanted
-    consts = dict(G=h // kvh, D=d, BLOCK_G=cfg.block_g, BLOCK_D=cfg.block_d)
+    attention = dict(G=h // kvh, D=d, BLOCK_G=cfg.block_g, BLOCK_D=cfg.block_d,
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kv_strides = (slots.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2))
     if splits == 1:
         _decode_kernel[(b, kvh)](
-            q, kv_cache, slots, lens, out, stats, scale, q.stride(0), q.stride(1), *kv_strides,
-            BLOCK_N=cfg.block_n, WANT_STATS=mass is not None, num_warps=cfg.num_warps, **consts)
+            q, kv_cache, kv_scale, slots, lens, out, stats, scale, q.stride(0), q.stride(1),
+            *kv_strides, BLOCK_N=cfg.block_n, WANT_STATS=mass is not None, **attention)
     else:
         ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
         acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
-        _split_kernel[(b, kvh, splits)](q, kv_cache, slots, lens, ml, acc, scale, min_tiles,
-                                        q.stride(0), q.stride(1), *kv_strides,
-                                        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **consts)
+        _split_kernel[(b, kvh, splits)](q, kv_cache, kv_scale, slots, lens, ml, acc, scale,
+                                        min_tiles, q.stride(0), q.stride(1), *kv_strides,
+                                        BLOCK_N=cfg.block_n, **attention)
         _reduce_kernel[(b, h)](ml, acc, out, stats, splits, out.stride(0), out.stride(1), D=d,
                                BLOCK_S=REDUCE_CHUNK, BLOCK_D=cfg.block_d,
                                WANT_STATS=mass is not None, num_warps=cfg.num_warps)
     if mass is not None:
-        _mass_kernel[(b, mass_splits)](q, kv_cache, slots, lens, stats, mass, scale, min_tiles,
-                                       kvh, q.stride(0), q.stride(1), slots.stride(0),
+        _mass_kernel[(b, mass_splits)](q, kv_cache, kv_scale, slots, lens, stats, mass, scale,
+                                       min_tiles, kvh, q.stride(0), q.stride(1), slots.stride(0),
                                        kv_cache.stride(0), kv_cache.stride(2), mass.stride(0),
-                                       BLOCK_N=cfg.mass_block_n, num_warps=cfg.num_warps,
-                                       **consts)
+                                       BLOCK_N=cfg.mass_block_n, **attention)
     return out

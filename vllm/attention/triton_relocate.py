@@ -7,7 +7,8 @@ before any store, so each program has LAYER_CHUNK independent row reads in fligh
 32-layer cache is 4 programs per move, not one program walking 32 layers in turn.
 
 The cache is copied as raw bits (viewed as the widest integer that divides a slot's row), so
-fp32, fp16 and bf16 caches copy exactly, NaN payloads included:
+fp32, fp16, bf16 and fp8 caches (ops.relocate_kv passes an fp8 cache as its uint8 view) copy
+exactly, NaN payloads included:
 
     kv_caches  [L, S, 2, KVH, D]  --view-->  words [L, S, ROW]    ROW = 2*KVH*D*elem / word
     program (i, c): for l in chunk c: words[l, dst[i]] = words[l, src[i]]
