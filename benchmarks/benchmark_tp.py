@@ -29,14 +29,11 @@
                has N x (per-GPU KV) / (full-model block bytes) blocks. The simulated engine runs
                at TP=1 with num_gpu_blocks_override = that pool (x --scale, with prompt and output
                lengths: the frontier stays comparable). Native vs Naive-Evict vs vToken, H2O at
-               ratio 0.5. The test is benchmark_capacity.py's (C requests all running together,
-               none preempted) made strict: no request may wait a step for repacking either.
-               Under pressure-driven reclamation the scheduler lets a request wait instead of
-               preempting it, and the lenient test then passes C well above the packed ideal
-               (the requests take turns in the pool; C=57-70 of an ideal 57 at TP=1, 1/64
-               scale, with fewer tokens per step than at the stall-free frontier) and is not
-               monotone in C. The frontier is searched from a guess, refined by each passing
-               trial's pool peak, then bisected.
+               ratio 0.5. Trial and search are benchmark_capacity.py's (one implementation): C
+               requests all resident together, every step stall-free (no request left out of a
+               step for lack of blocks, none held in the queue while the step had room for it),
+               none preempted; searched from a guess, refined by each passing trial's pool
+               peak, then bisected.
 
     python benchmarks/benchmark_tp.py            # all parts (~6 min on a quiet 2-core host)
     python benchmarks/benchmark_tp.py --quick    # batch 1 and 32, 1 round, fewer iterations,
@@ -686,89 +683,20 @@ def pool_blocks(n: int, args, block: int = 16) -> Dict:
             "blocks": int(per_gpu // rank_block)}
 
 
-def capacity_trial(model, kw, work, c, budget, extra) -> Dict:
-    """benchmark_capacity.trial's test (C requests at once under `budget` blocks, all running
-    together at some point, every one finishing without preemption), plus what it lets through:
-    decode row-steps in which a running request made no progress because it waited for
-    repacking (the scheduler's alternative to preempting it), and output tokens per engine step
-    (a throughput proxy: a decode step's time on a GPU grows slowly with its rows)."""
-    from vllm import LLM, SamplingParams
-    llm = LLM(model, num_gpu_blocks_override=budget, max_num_seqs=c, seed=0, kv_min_tokens=0,
-              **extra, **kw)
-    eng = llm.llm_engine
-    for i, (prompt, out_len) in enumerate(work[:c]):
-        eng.add_request(str(i), {"prompt_token_ids": prompt},
-                        SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
-    max_running, done, steps, stalled, t0 = 0, [], 0, 0, time.perf_counter()
-    while eng.has_unfinished_requests():
-        decoding = [(s, s.num_tokens) for s in eng.scheduler.running
-                    if s.num_computed_tokens >= s.num_tokens - 1]
-        outs = eng.step()
-        steps += 1
-        stalled += sum(1 for s, n in decoding if s.num_tokens == n and not s.is_finished)
-        max_running = max(max_running, len(eng.scheduler.running))
-        done += [o for o in outs if o.finished]
-        if eng.scheduler.num_preemptions or (done and max_running < c):
-            break
-    secs = time.perf_counter() - t0
-    eng.abort_request([str(i) for i in range(c)])
-    ok = (not eng.scheduler.num_preemptions and max_running == c and len(done) == c and
-          all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(
-              sorted(done, key=lambda o: int(o.request_id)), work)))
-    tokens = sum(n for _, n in work[:c])
-    return {"c": c, "feasible": bool(ok), "stall_free": bool(ok and stalled == 0),
-            "stalled_row_steps": stalled, "steps": steps,
-            "tok_per_step": tokens / steps if ok else None,
-            "pool_peak": eng.kv.bm.peak_used,
-            "request_peak_blocks": float(np.mean([o.kv_stats["peak_blocks"] for o in done]))
-            if done else None,
-            "live_tokens": float(np.mean([o.kv_stats["live_tokens"] for o in done]))
-            if done else None,
-            "seconds": secs, "tok_s": tokens / secs if ok else None}
-
-
-def search(trial, guess: int, budget: int, limit: int, log, label: str):
-    """Largest stall-free C: start at the guess, jump to what each passing trial's pool peak
-    predicts (budget / peak per request), bisect between the best passing and the smallest
-    failing C. -> (C_max, trials by C)."""
-    tried, lo, hi, step = {}, 0, limit + 1, 1
-    c = max(1, min(guess, limit))
-    while hi - lo > 1:
-        t = tried[c] = trial(c)
-        verdict = "stall-free" if t["stall_free"] else \
-            (f"feasible, {t['stalled_row_steps']} stalled row-steps" if t["feasible"]
-             else "infeasible")
-        log(f"  {label} C={c}: {verdict} (pool peak {t['pool_peak']}/{budget}, "
-            f"{t['seconds']:.0f}s)")
-        if t["stall_free"]:
-            lo = c
-            pred = int(c * budget / max(t["pool_peak"], 1))
-            if pred <= lo + 1:          # the peak says little more: gallop
-                pred, step = lo + step, 2 * step
-            c = min(pred, hi - 1)
-        else:
-            hi = c
-            c = max(lo + 1, min(c - 1, lo + (hi - lo) // 2 if lo else c - max(1, c // 20)))
-        if hi - lo > 1 and c in tried:
-            c = (lo + hi) // 2
-    return lo, tried
-
-
 def part_capacity(args, log) -> Dict:
-    bs, ratio, thr = 16, 0.5, 0.25
+    """benchmark_capacity's trial and frontier search (all resident, stall-free, no
+    preemption) on each TP size's pool."""
+    import benchmark_capacity as cap
     s = args.scale or 1 / 64
     prompt_len, output_len = round(4032 * s), round(12288 * s)
     total = prompt_len + output_len
-    full_blocks = -(-total // bs)
-    ideal_blocks = -(-int((1 - ratio) * total) // bs)
+    full_blocks = -(-total // cap.BLOCK)
+    ideal_blocks = -(-int((1 - cap.RATIO) * total) // cap.BLOCK)
     model = common.sim_config_dir()
-    extra = dict(load_format="simulate", max_model_len=total + bs)
+    extra = dict(load_format="simulate", max_model_len=total + cap.BLOCK)
     variants = [("Native", dict(kv_eviction_policy="none"), full_blocks),
-                ("Naive-Evict", dict(kv_eviction_policy="h2o", kv_eviction_ratio=ratio,
-                                     kv_reclamation="none"), full_blocks),
-                ("vToken", dict(kv_eviction_policy="h2o", kv_eviction_ratio=ratio,
-                                kv_reclamation="vtoken", kv_frag_threshold=thr),
-                 ideal_blocks / (1 - thr / 2))]
+                ("Naive-Evict", cap.eviction("none"), full_blocks),
+                ("vToken", cap.eviction("vtoken"), ideal_blocks)]
     rows, trials = [], {}
     for n in args.tp_sizes or ([1, 2, 4] if args.quick else [1, 2, 4, 8]):
         pool = pool_blocks(n, args)
@@ -776,11 +704,13 @@ def part_capacity(args, log) -> Dict:
         limit = budget // ideal_blocks + 2
         work = common.synthetic(limit, prompt_len, output_len, 32000, args.seed, sigma=1e-9)
         work = [(w[:prompt_len], output_len) for w, _ in work]
-        row = {**pool, "budget": budget, "ideal": budget // ideal_blocks}
+        row = {**pool, "budget": budget, "ideal": budget // ideal_blocks,
+               "tail-packed": budget // cap.tail_packed_blocks(total)}
         for name, kw, per_req in variants:
             t0 = time.perf_counter()
-            c, tr = search(lambda c: capacity_trial(model, kw, work, c, budget, extra),
-                           int(budget // per_req), budget, limit, log, f"TP={n} {name}")
+            engine_kw = dict(kw, num_gpu_blocks_override=budget, **extra)
+            c, tr = cap.frontier(lambda c: cap.trial(model, engine_kw, work, c),
+                                 budget // per_req, limit, log, f"TP={n} {name}")
             row[name] = c
             at = tr.get(c)
             row[f"{name} blocks/req"] = at["request_peak_blocks"] if at else None
@@ -802,26 +732,40 @@ def part_capacity(args, log) -> Dict:
             "weights_gb": args.weights_gb}
 
 
+def per_block_gain(r: Dict, full_blocks: int) -> float:
+    """vToken's requests per block over Native's exact 1 / full_blocks: the integer ratio
+    without Native's rounding (each pool holds x.5 full requests at every TP size here)."""
+    return r["vToken"] * full_blocks / r["budget"]
+
+
 def capacity_tables(res: Dict) -> str:
     def c(r, name):
         return f"{r[name]}{'+' if r.get(f'{name} at cap') else ''}"
+    base = per_block_gain(res["rows"][0], res["full_blocks"])
     rows = [{"TP": r["tp"], "KV/GPU GiB": r["per_gpu_kv_gib"], "pool GiB": r["pool_gib"],
              "pool blocks": r["blocks"], "sim budget": r["budget"], "Native": c(r, "Native"),
-             "Naive-Evict": c(r, "Naive-Evict"), "vToken": c(r, "vToken"), "ideal": r["ideal"],
-             "vToken/Native": r["vToken/Native"], "vs TP1 gain": r["gain vs TP1 gain"],
+             "Naive-Evict": c(r, "Naive-Evict"), "vToken": c(r, "vToken"),
+             "tail-packed": r.get("tail-packed", ""), "ideal": r["ideal"],
+             "vToken/Native": r["vToken/Native"], "vs TP1": r["gain vs TP1 gain"],
+             "per block": per_block_gain(r, res["full_blocks"]),
+             "per block vs TP1": per_block_gain(r, res["full_blocks"]) / base,
              "tok/step vT/N": r["vToken/Native tok/step"],
              "blocks/req N/NE/vT": f"{r['Native blocks/req'] or 0:.0f}/"
                                    f"{r['Naive-Evict blocks/req'] or 0:.0f}/"
                                    f"{r['vToken blocks/req'] or 0:.1f}"} for r in res["rows"]]
-    title = (f"Capacity frontier by TP size: max concurrent requests all resident at once, none "
-             f"preempted and none waiting a step for repacking (stall-free), simulated "
-             f"Llama-3.1-8B shape, H2O 0.5, block 16, vToken frag 0.25; per GPU "
-             f"{res['gpu_gib']:g} GiB x {res['gpu_util']:g} minus {res['weights_gb']:g} GB "
-             f"weights / N for KV (bf16 KV, 2 MiB per 16-token block of the whole model); run at "
-             f"scale {scale_text(res['scale'])}: {res['prompt_len']} + {res['output_len']} tokens "
-             f"({res['full_blocks']} blocks full, {res['ideal_blocks']} packed), budget = pool "
-             f"blocks x scale; tok/step = output tokens per engine step at the frontier "
-             f"(throughput proxy); '+' = the search's cap")
+    title = (f"Capacity frontier by TP size (benchmark_capacity's trial and search): max "
+             f"concurrent requests all resident at once, every step stall-free, none preempted, "
+             f"simulated Llama-3.1-8B shape, H2O 0.5, block 16, default --kv-frag-threshold; "
+             f"per GPU {res['gpu_gib']:g} GiB x {res['gpu_util']:g} minus {res['weights_gb']:g} "
+             f"GB weights / N for KV (bf16 KV, 2 MiB per 16-token block of the whole model); "
+             f"run at scale {scale_text(res['scale'])}: {res['prompt_len']} + "
+             f"{res['output_len']} tokens ({res['full_blocks']} blocks full, "
+             f"{res['ideal_blocks']} packed = ideal; tail-packed: every block but the still "
+             f"filling tail packed, what vToken can hold when all requests peak together), "
+             f"budget = pool blocks x scale; per block = vToken's frontier x "
+             f"{res['full_blocks']} / budget (vs Native's exact {res['full_blocks']} blocks a "
+             f"request, without its integer rounding); tok/step = output tokens per engine step "
+             f"at the frontier (throughput proxy); '+' = the search's cap")
     return common.table(rows, list(rows[0]), title)
 
 
@@ -884,10 +828,10 @@ def plot(result: Dict):
         else:
             rows = res["rows"]
             tps = [r["tp"] for r in rows]
-            for name, m in (("Native", "o"), ("Naive-Evict", "x"), ("vToken", "s"),
-                            ("ideal", "--")):
-                ax.plot(tps, [r[name] for r in rows], m if name == "ideal" else f"-{m}",
-                        label=name)
+            for name, m in (("Native", "-o"), ("Naive-Evict", "-x"), ("vToken", "-s"),
+                            ("tail-packed", ":"), ("ideal", "--")):
+                if all(name in r for r in rows):
+                    ax.plot(tps, [r[name] for r in rows], m, label=name)
             for r in rows:
                 ax.annotate(f"{r['vToken/Native']:.2f}x", (r["tp"], r["vToken"]), fontsize=7,
                             textcoords="offset points", xytext=(-8, 6))
