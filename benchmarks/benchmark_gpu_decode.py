@@ -4,6 +4,7 @@
     python benchmarks/benchmark_gpu_decode.py                     # CUDA, all parts (H200: minutes)
     python benchmarks/benchmark_gpu_decode.py --parts decode      # one part
     python benchmarks/benchmark_gpu_decode.py --device cpu --quick  # toy config, CPU smoke
+    python benchmarks/benchmark_gpu_decode.py --parts fp8         # fp8 KV cache vs bf16 KV
 
 Model: a Llama-3.1-8B-shaped config.json written into a temp dir (hidden 4096, 32 layers, 32
 heads, 8 KV heads, intermediate 14336, vocab 128256, RoPE theta 500000) with seeded random weights
@@ -27,8 +28,14 @@ timeout keeps what it measured; the headline figures are measured first):
             end even through preemption: per-request latency p95 and tokens/s; SLA = 1.05 x
             Naive-Evict's p95 at its frontier; C_sel = each variant's highest-throughput level
             within the SLA.
-All variants share two engines: one with --kv-reclamation vtoken (Native, indirection and vToken
-are per-request settings, KVEvictionParams) and one with none (Naive-Evict).
+  fp8       (not in the default parts) decode tokens/s with --kv-cache-dtype fp8 (e4m3) against
+            the model's dtype, Native and vToken (H2O 0.5), at --fp8-batches (default 16, then
+            64) over --fp8-context-token prompts (default 1,024: attention's share of a
+            step is large enough to show), both engines resident, runs interleaved: the ratios
+            fp8 / auto and the KV bytes per token (half on CUDA).
+The other parts' variants share two engines: one with --kv-reclamation vtoken (Native,
+indirection and vToken are per-request settings, KVEvictionParams) and one with none
+(Naive-Evict). gpu_check.sh runs fp8 last, after the SLA scan, in the same step.
 """
 import argparse
 import gc
@@ -77,11 +84,12 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def build_engine(args, reclamation: str) -> LLM:
+def build_engine(args, reclamation: str, kv_cache_dtype: str = "auto",
+                 blocks: int = 0) -> LLM:
     return LLM(args.model_dir, load_format="dummy", device=args.device, dtype=args.dtype,
-               num_gpu_blocks_override=args.blocks, max_num_seqs=args.max_num_seqs,
+               num_gpu_blocks_override=blocks or args.blocks, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, kv_min_tokens=0, kv_reclamation=reclamation,
-               enforce_eager=args.enforce_eager, seed=0)
+               enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype, seed=0)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> List[List[int]]:
@@ -375,8 +383,44 @@ def select(res: Dict, ref_c: int) -> None:
             sel["vs_Naive-Evict"] = sel["tok_s"] / base["tok_s"]
 
 
+# ---- fp8 KV cache ---------------------------------------------------------------------------
+FP8_KV = "fp8_e4m3"
+
+
+def part_fp8(args, out: Dict) -> None:
+    """Native and vToken decode over an fp8 KV cache against the model's dtype, batch by batch
+    (the first batch's ratios saved before the next batch runs)."""
+    run = argparse.Namespace(**{**vars(args), "prompt_len": args.fp8_context})
+    per_request = -(-(args.fp8_context + args.warmup + args.steps + 4) // 16)
+    blocks = max(args.blocks, max(args.fp8_batches) * per_request)
+    engines = {kv: build_engine(args, "vtoken", kv, blocks).llm_engine
+               for kv in ("auto", FP8_KV)}
+    res = out["fp8"] = {"kv_cache_dtype": FP8_KV, "context": args.fp8_context, "blocks": blocks,
+                        "kv_bytes_per_token": {kv: e.block_bytes() // e.cache_config.block_size
+                                               for kv, e in engines.items()},
+                        "batches": {}}
+    for b in args.fp8_batches:
+        r = res["batches"][str(b)] = {kv: {} for kv in engines}
+        for name in ("Native", "vToken"):
+            for kv, eng in engines.items():
+                r[kv][name] = engine_decode(eng, VARIANTS[name][1], b, run, f"fp8-{kv}-{name}-{b}")
+                args.save()
+            r.setdefault("ratios", {})[f"{name} fp8 / auto"] = \
+                r[FP8_KV][name]["tok_s"] / r["auto"][name]["tok_s"]
+            args.save()
+    del engines
+    release()
+    print(f"fp8 KV ({FP8_KV}) vs auto, {args.fp8_context}-token prompts, KV bytes per token "
+          f"{res['kv_bytes_per_token']['auto']} -> {res['kv_bytes_per_token'][FP8_KV]}")
+    for b, r in res["batches"].items():
+        print(f"  batch {b:>3}: " + ", ".join(
+            f"{n} {r['auto'][n]['tok_s']:.1f} -> {r[FP8_KV][n]['tok_s']:.1f} tok/s "
+            f"({r['ratios'][f'{n} fp8 / auto']:.2f}x)" for n in ("Native", "vToken")))
+
+
 # ---- main -----------------------------------------------------------------------------------
-PARTS = {"decode": part_decode, "capacity": part_capacity, "sla": part_sla}
+PARTS = {"decode": part_decode, "capacity": part_capacity, "sla": part_sla, "fp8": part_fp8}
+DEFAULT_PARTS = ["decode", "capacity", "sla"]
 
 
 def parse(argv=None):
@@ -384,7 +428,7 @@ def parse(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--quick", action="store_true", help="toy config, short runs (CPU smoke)")
-    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    p.add_argument("--parts", nargs="+", default=DEFAULT_PARTS, choices=list(PARTS))
     p.add_argument("--batches", type=int, nargs="+", default=None)
     p.add_argument("--prompt-len", type=int, default=None, help="decode part (default 256)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32)")
@@ -396,6 +440,10 @@ def parse(argv=None):
                    choices=CAPACITY_VARIANTS, help="capacity part: the frontiers to search (run "
                    "in the order Native, vToken, Naive-Evict whatever the order given)")
     p.add_argument("--sla-levels", type=int, nargs="+", default=None)
+    p.add_argument("--fp8-batches", type=int, nargs="+", default=None,
+                   help="fp8 part (default 16 64)")
+    p.add_argument("--fp8-context", type=int, default=None,
+                   help="fp8 part: prompt tokens (default 1024)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/"
@@ -407,12 +455,15 @@ def parse(argv=None):
     args.batches = args.batches or ([1, 4] if args.quick else [1, 16, 64])
     args.prompt_len = args.prompt_len or (16 if args.quick else 256)
     args.steps = args.steps or (4 if args.quick else 32)
+    args.fp8_batches = args.fp8_batches or ([1, 4] if args.quick else [16, 64])
+    args.fp8_context = args.fp8_context or (32 if args.quick else 1024)
     scale = args.capacity_scale or (1 / 64 if args.quick else 0.25)
     args.cap_prompt_len, args.output_len = round(4032 * scale), round(12288 * scale)
     args.blocks = round(5427 * scale)
     decode_len = args.prompt_len + args.warmup + args.steps + 4
-    args.max_num_seqs = max(args.batches + [32])
-    args.max_model_len = max(decode_len, args.cap_prompt_len + args.output_len) + 16
+    fp8_len = args.fp8_context + args.warmup + args.steps + 4
+    args.max_num_seqs = max(args.batches + args.fp8_batches + [32])
+    args.max_model_len = max(decode_len, fp8_len, args.cap_prompt_len + args.output_len) + 16
     need = max(args.batches) * -(-decode_len // 16)
     assert need <= args.blocks, f"decode at batch {max(args.batches)} needs {need} blocks"
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

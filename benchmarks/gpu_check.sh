@@ -18,7 +18,8 @@
 #   relocation         headline 3: the CUDA kernel's share of the device-to-device copy rate
 #   capacity_naive     the Naive-Evict frontier, in the background (feasibility, not speed) beside
 #   test_*             the GPU tests (kernels, engine, graphs, the rest of tests/gpu)
-#   sla                the SLA scan, with what is left
+#   sla                the SLA scan, then the fp8 KV cache's decode against bf16 KV (the
+#                      decode benchmark's fp8 part), with what is left
 # The headline steps' timeouts add up to at most the budget, so each gets its whole timeout even
 # if all of them run to it; the run ends within the budget plus a step's 10 s kill grace and the
 # summary (~535 s by default; the device tool allows 600). The capacity and decode benchmarks save
@@ -87,7 +88,7 @@ out.update({k: bench.get(k, cap_all.get(k)) for k in ("device", "dtype", "model"
                                                       "torch")})
 out["relocation_kernel"] = (load("relocate_op.json") or {}).get("backend")
 out.update({"decode": bench.get("decode"), "capacity": cap_all.get("capacity"),
-            "sla": cap_all.get("sla")})
+            "sla": cap_all.get("sla"), "fp8": cap_all.get("fp8")})
 out["benchmark_seconds"] = {**(bench.get("seconds") or {}), **(cap_all.get("seconds") or {})}
 out["relocation"] = load(f"relocation_{dev}.json")
 dec, cap, rel = out["decode"] or {}, out["capacity"] or {}, out["relocation"] or {}
@@ -122,6 +123,11 @@ for k, t in out["targets"].items():
     v = "-" if t["value"] is None else fmt[k].format(t["value"])
     met = {None: "not measured", True: "yes", False: "NO"}[t["must_met"]]
     print(f"{k:<36}{v:>10}  {t['must']:<9}{met}")
+fp8 = out["fp8"] or {}
+for b, r in list((fp8.get("batches") or {}).items())[:1]:      # informational: no target
+    ratios = ", ".join(f"{k.split()[0]} {v:.2f}x" for k, v in r.get("ratios", {}).items())
+    print(f"fp8 KV decode vs {out['dtype'] or 'auto'} KV (batch {b}, {fp8.get('context')} "
+          f"tokens): {ratios or 'not measured'}")
 print(f"{'step':<20}{'status':<13}{'seconds':>8}{'timeout':>9}")
 for s in steps:
     print(f"{s['name']:<20}{s['status']:<13}{s['seconds']:>8}{s['timeout']:>9}")
@@ -239,7 +245,7 @@ echo "== waiting for capacity_naive ($((SECONDS - start)) s elapsed)" | tee -a "
 wait "$BG_PID"
 cat "$PARTS/capacity_naive.log" >>"$LOG" 2>/dev/null
 tail -n 8 "$PARTS/capacity_naive.log" 2>/dev/null
-fg_step sla 150 $PY benchmarks/benchmark_gpu_decode.py --device $DEV $QUICK --parts sla \
+fg_step sla 240 $PY benchmarks/benchmark_gpu_decode.py --device $DEV $QUICK --parts sla fp8 \
   --out "$PARTS/capacity_sla.json"
 
 trap - INT TERM
