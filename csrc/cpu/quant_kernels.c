@@ -207,8 +207,8 @@ static inline __m256i bit5_256(uint32_t qh) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-/* 32 bytes p, each shifted right by `shift` bits (same for all; the 16-bit shift moves bits
-   across bytes, which the mask clears) and masked */
+/* 32 bytes p, each shifted right by `shift` bits (the 16-bit shift moves bits across bytes,
+   which the mask clears) and masked */
 static inline __m256i shr_mask256(__m256i p, int shift, int mask) {
     return _mm256_and_si256(_mm256_srl_epi16(p, _mm_cvtsi32_si128(shift)),
                             _mm256_set1_epi8((char)mask));
@@ -224,13 +224,36 @@ static inline __m256i q6k_sub256(const uint8_t *blk, int s) {
     return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
 }
 
+/* A K-quant super-block's scales, once for its 8 sub-blocks: Q4_K dw[j] = d * sc_j and
+   cw[j] = -dmin * m_j; Q6_K dw[i] = d * scales[i] for its 16 halves */
+ALWAYS_INLINE void kq_scales(const int TYPE, const uint8_t *blk, float *dw, float *cw) {
+    if (TYPE == T_Q4_K) {
+        const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            k4_scale_min(blk + 4, j, &sc, &mn);
+            dw[j] = d * (float)sc;
+            cw[j] = -dmin * (float)mn;
+        }
+    } else {
+        const __m256 d = _mm256_set1_ps(h2f(rd16(blk + 208)));
+        for (int i = 0; i < 16; i += 8) {
+            __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 192 + i));
+            _mm256_storeu_ps(dw + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), d));
+        }
+    }
+}
+
 /* 32-element block b of a weight row as unsigned bytes w (|w| for the signed types, whose signs
    are *ws), its scale *dw and activation-sum coefficient *cw (the row's dot product gains
    dw * dot(w, x) + cw * sx); Q6_K's two 16-element scales come as *wsc (the int32 lanes 0..3 of
-   a dot product sum its first 16 elements, lanes 4..7 the last 16) */
-ALWAYS_INLINE __m256i decode256(const int TYPE, const uint8_t *wrow, int64_t b, __m256i *ws,
-                                float *dw, float *cw, __m256 *wsc) {
+   a dot product sum its first 16 elements, lanes 4..7 the last 16). K-quants: kdw, kcw hold
+   the super-block's kq_scales */
+ALWAYS_INLINE __m256i decode256(const int TYPE, const uint8_t *wrow, int64_t b, const float *kdw,
+                                const float *kcw, __m256i *ws, float *dw, float *cw,
+                                __m256 *wsc) {
     const uint8_t *blk = wrow + block_offset(TYPE, b);
+    const int j = (int)(b & 7);                              /* K-quants' sub-block */
     if (TYPE == T_Q8_0) {
         *dw = h2f(rd16(blk));
         *ws = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -252,19 +275,13 @@ ALWAYS_INLINE __m256i decode256(const int TYPE, const uint8_t *wrow, int64_t b, 
         *cw = h2f(rd16(blk + 2));
         return _mm256_or_si256(dec_q4_256(blk + 8), bit5_256(rd32(blk + 4)));
     } else if (TYPE == T_Q4_K) {
-        const int j = (int)(b & 7);
-        int sc, mn;
-        k4_scale_min(blk + 4, j, &sc, &mn);
-        *dw = h2f(rd16(blk)) * (float)sc;
-        *cw = -h2f(rd16(blk + 2)) * (float)mn;
+        *dw = kdw[j];
+        *cw = kcw[j];
         __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j >> 1)));
         return shr_mask256(q, 4 * (j & 1), 0x0f);
     } else { /* T_Q6_K */
-        const int s = (int)(b & 7);
-        const float d = h2f(rd16(blk + 208));
-        const int8_t *sc = (const int8_t *)(blk + 192 + 2 * s);
-        *wsc = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
-        *ws = q6k_sub256(blk, s);
+        *wsc = _mm256_set_m128(_mm_broadcast_ss(kdw + 2 * j + 1), _mm_broadcast_ss(kdw + 2 * j));
+        *ws = q6k_sub256(blk, j);
         return _mm256_sign_epi8(*ws, *ws);
     }
 }
@@ -281,13 +298,15 @@ static inline __m256i dot256_madd(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-/* block b (decode256) against the MR activation rows, 256-bit */
-#define TILE_BLOCK256(DOT, b, acc, cor)                                                        \
+/* block b (decode256) against the MR activation rows, 256-bit. With one or two rows the two
+   digits' products go to two accumulators (acc, acce): a row's loop-carried chain is then one
+   fma per block, not two; more rows interleave their chains anyway and need the registers */
+#define TILE_BLOCK256(DOT, b, kdw, kcw, acc, acce, cor)                                        \
     do {                                                                                       \
         __m256i ws = _mm256_setzero_si256();                                                   \
         __m256 wsc = _mm256_setzero_ps();                                                      \
         float dw = 0.0f, cw = 0.0f;                                                            \
-        const __m256i w = decode256(TYPE, wrow, b, &ws, &dw, &cw, &wsc);                       \
+        const __m256i w = decode256(TYPE, wrow, b, kdw, kcw, &ws, &dw, &cw, &wsc);             \
         for (int r = 0; r < MR; r++) {                                                         \
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + (b) * QK));              \
             __m256i ev = _mm256_loadu_si256((const __m256i *)(xe[r] + (b) * QK));              \
@@ -298,14 +317,37 @@ static inline __m256i dot256_madd(__m256i u, __m256i s) {
             __m256 f = _mm256_cvtepi32_ps(DOT(w, xv));                                         \
             __m256 fe = _mm256_cvtepi32_ps(DOT(w, ev));                                        \
             if (TYPE == T_Q6_K) {                                                              \
-                __m256 t = _mm256_mul_ps(f, _mm256_set1_ps(xd[r][b]));                         \
-                t = _mm256_fmadd_ps(fe, _mm256_set1_ps(xed[r][b]), t);                         \
-                acc[r] = _mm256_fmadd_ps(t, wsc, acc[r]);                                      \
+                f = _mm256_mul_ps(f, _mm256_set1_ps(xd[r][b]));                                \
+                fe = _mm256_mul_ps(fe, _mm256_set1_ps(xed[r][b]));                             \
+                acc[r] = _mm256_fmadd_ps(f, wsc, acc[r]);                                      \
+                if (MR <= 2) acce[r] = _mm256_fmadd_ps(fe, wsc, acce[r]);                      \
+                else acc[r] = _mm256_fmadd_ps(fe, wsc, acc[r]);                                \
             } else {                                                                           \
                 acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw * xd[r][b]), acc[r]);            \
-                acc[r] = _mm256_fmadd_ps(fe, _mm256_set1_ps(dw * xed[r][b]), acc[r]);          \
+                const __m256 se = _mm256_set1_ps(dw * xed[r][b]);                              \
+                if (MR <= 2) acce[r] = _mm256_fmadd_ps(fe, se, acce[r]);                       \
+                else acc[r] = _mm256_fmadd_ps(fe, se, acc[r]);                                 \
             }                                                                                  \
             if (has_sum_term(TYPE)) cor[r] += cw * xs[r][b];                                   \
+        }                                                                                      \
+    } while (0)
+
+/* every block of a weight row, STEP(DOT, b, kdw, kcw, acc, acce, cor) per STEPB blocks from b
+   on (as far as whole steps go); K-quants by super-block, their scales decoded once and the
+   sub-block loop unrolled (constant shifts) */
+#define ROW_LOOP(STEPB, STEP, DOT)                                                             \
+    do {                                                                                       \
+        if (vq_block_elems(TYPE) == QK_K) {                                                    \
+            for (int64_t sb = 0; sb < nb / 8; sb++) {                                          \
+                float kdw[16], kcw[8];                                                         \
+                kq_scales(TYPE, wrow + sb * vq_block_bytes(TYPE), kdw, kcw);                   \
+                _Pragma("GCC unroll 8")                                                        \
+                for (int j = 0; j < 8; j += STEPB)                                             \
+                    STEP(DOT, sb * 8 + j, kdw, kcw, acc, acce, cor);                           \
+            }                                                                                  \
+        } else {                                                                               \
+            for (; b + STEPB <= nb; b += STEPB)                                                \
+                STEP(DOT, b, (const float *)0, (const float *)0, acc, acce, cor);              \
         }                                                                                      \
     } while (0)
 
@@ -341,10 +383,12 @@ static inline __m512i q6k_pair512(const uint8_t *blk, int s) {
 /* blocks b, b + 1 (b even) of a weight row: w (bytes 0..31 block b), as decode256; per block
    scales dw[2] and activation-sum coefficients cw[2]; Q6_K's four 16-element scales as *wsc
    (4 int32 lanes each) */
-ALWAYS_INLINE __m512i decode512(const int TYPE, const uint8_t *wrow, int64_t b, __m512i *ws,
-                                float *dw, float *cw, __m512 *wsc) {
+ALWAYS_INLINE __m512i decode512(const int TYPE, const uint8_t *wrow, int64_t b, const float *kdw,
+                                const float *kcw, __m512i *ws, float *dw, float *cw,
+                                __m512 *wsc) {
     const int64_t bb = vq_block_bytes(TYPE);
     const uint8_t *blk = wrow + block_offset(TYPE, b), *blk1 = blk + bb;
+    const int j = (int)(b & 7);                              /* K-quants' sub-block (even) */
     if (TYPE == T_Q8_0 || TYPE == T_Q4_0 || TYPE == T_Q4_1 || TYPE == T_Q5_0 ||
         TYPE == T_Q5_1) {
         dw[0] = h2f(rd16(blk));
@@ -372,27 +416,17 @@ ALWAYS_INLINE __m512i decode512(const int TYPE, const uint8_t *wrow, int64_t b, 
         return _mm512_or_si512(dec_q4_512(blk + 8, blk1 + 8),
                                bit5_512(rd32(blk + 4), rd32(blk1 + 4)));
     } else if (TYPE == T_Q4_K) { /* sub-blocks j, j + 1: low and high nibbles of 32 bytes */
-        const int j = (int)(b & 7);
-        const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
-        for (int i = 0; i < 2; i++) {
-            int sc, mn;
-            k4_scale_min(blk + 4, j + i, &sc, &mn);
-            dw[i] = d * (float)sc;
-            cw[i] = -dmin * (float)mn;
-        }
+        dw[0] = kdw[j];
+        dw[1] = kdw[j + 1];
+        cw[0] = kcw[j];
+        cw[1] = kcw[j + 1];
         __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j >> 1)));
         return _mm512_inserti64x4(_mm512_castsi256_si512(shr_mask256(q, 0, 0x0f)),
                                   shr_mask256(q, 4, 0x0f), 1);
-    } else { /* T_Q6_K */
-        const int s = (int)(b & 7);
-        int32_t sc4;                               /* the 4 int8 scales of the 2 sub-blocks */
-        memcpy(&sc4, blk + 192 + 2 * s, 4);
-        __m128 sc = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(sc4)));
-        sc = _mm_mul_ps(sc, _mm_set1_ps(h2f(rd16(blk + 208))));
-        /* [a, b, c, d] -> [a a a a b b b b c c c c d d d d] */
+    } else { /* T_Q6_K: [a, b, c, d] -> [a a a a b b b b c c c c d d d d] */
         const __m512i four = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        *wsc = _mm512_permutexvar_ps(four, _mm512_castps128_ps512(sc));
-        *ws = q6k_pair512(blk, s);
+        *wsc = _mm512_permutexvar_ps(four, _mm512_castps128_ps512(_mm_loadu_ps(kdw + 2 * j)));
+        *ws = q6k_pair512(blk, j);
         return _mm512_abs_epi8(*ws);
     }
 }
@@ -401,13 +435,14 @@ static inline __m512i dot512_madd(__m512i u, __m512i s) {
     return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
 }
 
-/* two blocks (b, b + 1) per step in 512 bits: lanes 0..7 block b, 8..15 block b + 1 */
-#define TILE_PAIR512(DOT, b, acc, cor)                                                         \
+/* two blocks (b, b + 1) per step in 512 bits: lanes 0..7 block b, 8..15 block b + 1; the
+   accumulators as in TILE_BLOCK256 */
+#define TILE_PAIR512(DOT, b, kdw, kcw, acc, acce, cor)                                         \
     do {                                                                                       \
         __m512i ws = _mm512_setzero_si512();                                                   \
         __m512 wsc = _mm512_setzero_ps();                                                      \
         float dw[2] = {0.0f, 0.0f}, cw[2] = {0.0f, 0.0f};                                      \
-        const __m512i w = decode512(TYPE, wrow, b, &ws, dw, cw, &wsc);                         \
+        const __m512i w = decode512(TYPE, wrow, b, kdw, kcw, &ws, dw, cw, &wsc);               \
         const __mmask64 neg = is_signed(TYPE) ? _mm512_movepi8_mask(ws) : 0;                   \
         for (int r = 0; r < MR; r++) {                                                         \
             __m512i xv = _mm512_loadu_si512((const void *)(xq[r] + (b) * QK));                 \
@@ -423,15 +458,17 @@ static inline __m512i dot512_madd(__m512i u, __m512i s) {
                                                _mm256_set1_ps(xd[r][(b) + 1]), 1);             \
                 __m512 se = _mm512_insertf32x8(_mm512_set1_ps(xed[r][b]),                      \
                                                _mm256_set1_ps(xed[r][(b) + 1]), 1);            \
-                __m512 t = _mm512_fmadd_ps(fe, se, _mm512_mul_ps(f, sx));                      \
-                acc[r] = _mm512_fmadd_ps(t, wsc, acc[r]);                                      \
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f, sx), wsc, acc[r]);                   \
+                if (MR <= 2) acce[r] = _mm512_fmadd_ps(_mm512_mul_ps(fe, se), wsc, acce[r]);   \
+                else acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(fe, se), wsc, acc[r]);             \
             } else {                                                                           \
                 __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(dw[0] * xd[r][b]),               \
                                                _mm256_set1_ps(dw[1] * xd[r][(b) + 1]), 1);     \
                 __m512 sce = _mm512_insertf32x8(_mm512_set1_ps(dw[0] * xed[r][b]),             \
                                                 _mm256_set1_ps(dw[1] * xed[r][(b) + 1]), 1);   \
                 acc[r] = _mm512_fmadd_ps(f, sc, acc[r]);                                       \
-                acc[r] = _mm512_fmadd_ps(fe, sce, acc[r]);                                     \
+                if (MR <= 2) acce[r] = _mm512_fmadd_ps(fe, sce, acce[r]);                      \
+                else acc[r] = _mm512_fmadd_ps(fe, sce, acc[r]);                                \
             }                                                                                  \
             if (has_sum_term(TYPE)) cor[r] += cw[0] * xs[r][b] + cw[1] * xs[r][(b) + 1];       \
         }                                                                                      \
@@ -441,19 +478,21 @@ static inline __m512i dot512_madd(__m512i u, __m512i s) {
     ALWAYS_INLINE void NAME(const int TYPE, const int MR, const uint8_t *wrow, int64_t nb,     \
                             const int8_t **xq, const int8_t **xe, const float **xd,            \
                             const float **xed, const float **xs, float *out) {                 \
-        __m512 acc[4];                                                                         \
-        __m256 acc2[4];                                                                        \
+        __m512 acc[4], acce[4];                                                                \
+        __m256 acc2[4], acce2[4];                                                              \
         float cor[4];                                                                          \
         for (int r = 0; r < MR; r++) {                                                         \
-            acc[r] = _mm512_setzero_ps();                                                      \
-            acc2[r] = _mm256_setzero_ps();                                                     \
+            acc[r] = acce[r] = _mm512_setzero_ps();                                            \
+            acc2[r] = acce2[r] = _mm256_setzero_ps();                                          \
             cor[r] = 0.0f;                                                                     \
         }                                                                                      \
         int64_t b = 0;                                                                         \
-        for (; b + 2 <= nb; b += 2) TILE_PAIR512(DOT512, b, acc, cor);                         \
-        if (b < nb) TILE_BLOCK256(DOT256, b, acc2, cor); /* never for K-quants: nb % 8 == 0 */ \
+        ROW_LOOP(2, TILE_PAIR512, DOT512);                                                     \
+        if (b < nb && vq_block_elems(TYPE) == QK) /* an odd count of 32-element blocks */      \
+            TILE_BLOCK256(DOT256, b, (const float *)0, (const float *)0, acc2, acce2, cor);    \
         for (int r = 0; r < MR; r++)                                                           \
-            out[r] = _mm512_reduce_add_ps(acc[r]) + hsum256(acc2[r]) + cor[r];                 \
+            out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acce[r])) +                    \
+                     hsum256(_mm256_add_ps(acc2[r], acce2[r])) + cor[r];                       \
     }
 
 DEFINE_TILE(tile_madd, dot512_madd, dot256_madd)
@@ -474,14 +513,15 @@ DEFINE_TILE(tile_vnni, dot512_vnni, dot256_vnni)
 ALWAYS_INLINE void tile_madd(const int TYPE, const int MR, const uint8_t *wrow, int64_t nb,
                              const int8_t **xq, const int8_t **xe, const float **xd,
                              const float **xed, const float **xs, float *out) {
-    __m256 acc[4];
+    __m256 acc[4], acce[4];
     float cor[4];
     for (int r = 0; r < MR; r++) {
-        acc[r] = _mm256_setzero_ps();
+        acc[r] = acce[r] = _mm256_setzero_ps();
         cor[r] = 0.0f;
     }
-    for (int64_t b = 0; b < nb; b++) TILE_BLOCK256(dot256_madd, b, acc, cor);
-    for (int r = 0; r < MR; r++) out[r] = hsum256(acc[r]) + cor[r];
+    int64_t b = 0;
+    ROW_LOOP(1, TILE_BLOCK256, dot256_madd);
+    for (int r = 0; r < MR; r++) out[r] = hsum256(_mm256_add_ps(acc[r], acce[r])) + cor[r];
 }
 
 #endif /* AVX512 / AVX2 */
