@@ -16,8 +16,17 @@ for the KV it saves.
 Every variant runs as one request of one batched engine (vToken reclamation, --kv-min-tokens 0),
 with its settings per request (KVEvictionParams); Native is `policy="none"` in the same engine.
 
+KV cache dtype axis (--kv-cache-dtypes auto fp8_e4m3 fp8_e5m2): (a) and (b) run every variant,
+Native included, once per dtype, in an engine of that --kv-cache-dtype; the reference stays
+float32-KV Native (auto, run first whatever the list): KL is from its distributions, kv_x counts
+KV blocks and bytes_x KV bytes relative to it (fp8 Native: kv_x 1.0, bytes_x 0.25), so fp8 + TOVA
+at 512 tokens and float32 + TOVA at 1,024 land on one axis and the summary names the cheapest
+combination that keeps quality.
+
     python benchmarks/benchmark_accuracy.py --quick      # < 10 min on 2 cores
     python benchmarks/benchmark_accuracy.py              # the README figures
+    python benchmarks/benchmark_accuracy.py --tasks ppl passkey --policies tova \
+        --budgets 512 1024 --kv-cache-dtypes auto fp8_e4m3 fp8_e5m2
 """
 import os
 import random
@@ -52,10 +61,19 @@ def variants(policies: Sequence[str], budgets: Sequence[str]) -> List[Tuple[str,
     return [("none", "-")] + [(p, b) for p in policies for b in budgets]
 
 
-def make_engine(model: Optional[str], args, num_seqs: int, max_len: int, cls=LLMEngine):
+def make_engine(model: Optional[str], args, num_seqs: int, max_len: int, cls=LLMEngine,
+                kv_dtype: str = "auto"):
     return cls(EngineArgs(model=model, max_model_len=max_len, max_num_seqs=num_seqs,
                           max_num_batched_tokens=args.step_tokens, kv_reclamation="vtoken",
-                          kv_min_tokens=0, seed=args.seed, kv_cache_memory=int(args.kv_gib * (1 << 30))))
+                          kv_min_tokens=0, seed=args.seed,
+                          kv_cache_memory=int(args.kv_gib * (1 << 30)), kv_cache_dtype=kv_dtype,
+                          calculate_kv_scales=getattr(args, "calculate_kv_scales", False)))
+
+
+def kv_dtype_order(kv_dtypes: Sequence[str]) -> List[str]:
+    """auto (the reference) first, then the others in the order given: [fp8_e5m2, auto] ->
+    [auto, fp8_e5m2]; an unknown name is the engine's ValueError."""
+    return ["auto"] + [d for d in dict.fromkeys(kv_dtypes) if d != "auto"]
 
 
 # ---- (a) teacher-forced perplexity and KL ---------------------------------------------------------
@@ -95,27 +113,34 @@ class TeacherForcedEngine(LLMEngine):
                 s.kl += float((ref.exp() * (ref - logp)).sum())
 
 
-def run_perplexity(model, args, text_ids: List[int], todo: List[Tuple[str, str]]) -> List[Dict]:
+def run_perplexity(model, args, text_ids: List[int], todo: List[Tuple[str, str]],
+                   kv_dtypes: Sequence[str] = ("auto",)) -> List[Dict]:
+    """Every variant of `todo` per KV dtype, scored against float32-KV Native."""
     n = len(text_ids)
-    eng = make_engine(model, args, len(todo), n + 8, TeacherForcedEngine)
-    eng.scores = {}
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)  # logits everywhere
-    # pass 1: Native, recording its log-probs (the reference)
-    eng.record = torch.empty(n - 1, eng.hf_config.vocab_size)
-    outs = drain(eng, [("native", text_ids, params, eviction("none", "-", args.chunk))])
-    native_blocks = outs["native"].kv_stats["mean_blocks_per_token"]
-    eng.reference, eng.record = eng.record, None
-    # pass 2: every variant in one batch
-    reqs = [(f"{p}|{b}", text_ids, params, eviction(p, b, args.chunk)) for p, b in todo[1:]]
-    outs.update(drain(eng, reqs))
     rows = []
-    for p, b in todo:
-        rid = "native" if p == "none" else f"{p}|{b}"
-        s, st = eng.scores[rid], outs[rid].kv_stats
-        rows.append({"policy": p, "budget": b, "ppl": float(np.exp(s.nll / s.tokens)),
-                     "kl": s.kl / s.tokens if p != "none" else 0.0,
-                     "kv_x": st["mean_blocks_per_token"] / native_blocks,
-                     "evicted": st.get("evicted_tokens", 0)})
+    for dtype in kv_dtype_order(kv_dtypes):
+        eng = make_engine(model, args, len(todo), n + 8, TeacherForcedEngine, dtype)
+        eng.scores, outs = {}, {}
+        reqs = [(f"{p}|{b}", text_ids, params, eviction(p, b, args.chunk)) for p, b in todo]
+        if dtype == "auto":      # pass 1: Native, recording its log-probs (the reference)
+            eng.record = torch.empty(n - 1, eng.hf_config.vocab_size)
+            outs = drain(eng, reqs[:1])
+            reference, eng.record = eng.record, None
+            native_blocks = outs["none|-"].kv_stats["mean_blocks_per_token"]
+            native_bytes = eng.kv_caches.element_size()
+            reqs = reqs[1:] if "auto" in kv_dtypes else []
+        eng.reference = reference
+        outs.update(drain(eng, reqs))
+        for rid in (f"{p}|{b}" for p, b in todo if f"{p}|{b}" in eng.scores):
+            s, st = eng.scores[rid], outs[rid].kv_stats
+            kv_x = st["mean_blocks_per_token"] / native_blocks
+            rows.append({"kv_dtype": dtype, "policy": rid.split("|")[0],
+                         "budget": rid.split("|")[1], "ppl": float(np.exp(s.nll / s.tokens)),
+                         "kl": s.kl / s.tokens, "kv_x": kv_x,
+                         "bytes_x": kv_x * eng.kv_caches.element_size() / native_bytes,
+                         "evicted": st.get("evicted_tokens", 0)})
+        del eng                  # its KV pool, before the next dtype's
     return rows
 
 
@@ -158,26 +183,34 @@ def passkey_prompt(tok, length: int, depth: float, key: int) -> List[int]:
     return [tok.bos_token_id or 0] + head + body[:at] + needle + body[at:] + question
 
 
-def run_passkey(model, args, tok, length: int, todo: List[Tuple[str, str]]) -> List[Dict]:
+def run_passkey(model, args, tok, length: int, todo: List[Tuple[str, str]],
+                kv_dtypes: Sequence[str] = ("auto",)) -> List[Dict]:
     rng = random.Random(args.seed + length)
     depths = np.linspace(0.1, 0.9, 5)
     trials = [(float(depths[i % len(depths)]), rng.randrange(10000, 100000))
               for i in range(args.trials)]
     prompts = [passkey_prompt(tok, length, d, k) for d, k in trials]
     params = SamplingParams(max_tokens=8, temperature=0)
-    eng = make_engine(model, args, min(len(todo) * len(trials), 64), length + 16)
-    reqs = [(f"{p}|{b}|{i}", ids, params, eviction(p, b, args.chunk))
-            for p, b in todo for i, ids in enumerate(prompts)]
-    outs = drain(eng, reqs)
-    native_blocks = np.mean([outs[f"none|-|{i}"].kv_stats["mean_blocks_per_token"]
-                             for i in range(len(trials))])
     rows = []
-    for p, b in todo:
-        got = [outs[f"{p}|{b}|{i}"] for i in range(len(trials))]
-        hits = [str(k) in o.outputs[0].text for o, (_, k) in zip(got, trials)]
-        blocks = np.mean([o.kv_stats["mean_blocks_per_token"] for o in got])
-        rows.append({"policy": p, "budget": b, "length": length, "accuracy": float(np.mean(hits)),
-                     "kv_x": blocks / native_blocks, "trials": len(trials)})
+    for dtype in kv_dtype_order(kv_dtypes):
+        cells = todo if dtype in kv_dtypes else todo[:1]    # auto's Native: the reference
+        eng = make_engine(model, args, min(len(cells) * len(trials), 64), length + 16,
+                          kv_dtype=dtype)
+        outs = drain(eng, [(f"{p}|{b}|{i}", ids, params, eviction(p, b, args.chunk))
+                           for p, b in cells for i, ids in enumerate(prompts)])
+        if dtype == "auto":
+            native_blocks = np.mean([outs[f"none|-|{i}"].kv_stats["mean_blocks_per_token"]
+                                     for i in range(len(trials))])
+            native_bytes = eng.kv_caches.element_size()
+        for p, b in cells:
+            got = [outs[f"{p}|{b}|{i}"] for i in range(len(trials))]
+            hits = [str(k) in o.outputs[0].text for o, (_, k) in zip(got, trials)]
+            kv_x = np.mean([o.kv_stats["mean_blocks_per_token"] for o in got]) / native_blocks
+            rows.append({"kv_dtype": dtype, "policy": p, "budget": b, "length": length,
+                         "accuracy": float(np.mean(hits)), "kv_x": float(kv_x),
+                         "bytes_x": float(kv_x) * eng.kv_caches.element_size() / native_bytes,
+                         "trials": len(trials)})
+        del eng
     return rows
 
 
@@ -221,19 +254,36 @@ def pareto(points: List[Tuple[float, float]], lower_is_better: bool) -> List[Tup
     return out
 
 
+DTYPE_STYLE = {"auto": ("o", "-"), "fp8_e4m3": ("^", "--"), "fp8_e5m2": ("s", ":")}
+
+
 def frontier_plot(rows: List[Dict], metric: str, label: str, title: str, lower_is_better: bool):
-    """Every variant as a dot, each policy's Pareto frontier as a line, Native as a star."""
+    """Every variant as a dot, each policy's Pareto frontier per KV dtype as a line (solid:
+    float32 KV, dashed: fp8_e4m3, dotted: fp8_e5m2), float32-KV Native as a star, Native at
+    another KV dtype as a black marker of that dtype."""
     plt = common.plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    native = next(r for r in rows if r["policy"] == "none")
-    for i, p in enumerate(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "none")):
-        pts = [(r["kv_x"], r[metric]) for r in rows if r["policy"] == p]
-        color = f"C{i % 10}"
-        ax.scatter(*zip(*pts), s=10, color=color, alpha=0.35)
-        ax.plot(*zip(*pareto(pts, lower_is_better)), marker="o", ms=3, lw=1.2, color=color,
-                label=p)
+    native = next(r for r in rows if is_reference(r))
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "none"))
+    for dtype in dict.fromkeys(r.get("kv_dtype", "auto") for r in rows):
+        marker, ls = DTYPE_STYLE.get(dtype, ("x", "-."))
+        mine = [r for r in rows if r.get("kv_dtype", "auto") == dtype]
+        tag = "" if dtype == "auto" else f" {dtype}"
+        for i, p in enumerate(policies):
+            pts = [(kv_bytes(r), r[metric]) for r in mine if r["policy"] == p]
+            if not pts:
+                continue
+            color = f"C{i % 10}"
+            ax.scatter(*zip(*pts), s=10, color=color, alpha=0.35, marker=marker)
+            ax.plot(*zip(*pareto(pts, lower_is_better)), marker=marker, ms=3, lw=1.2, ls=ls,
+                    color=color, label=p + tag)
+        for r in mine:
+            if r["policy"] == "none" and dtype != "auto":
+                ax.plot([kv_bytes(r)], [r[metric]], marker=marker, ms=9, color="black", ls="",
+                        label="Native" + tag)
     ax.plot([1.0], [native[metric]], marker="*", ms=14, color="black", ls="", label="Native")
-    ax.set_xlabel("KV blocks per request, relative to Native (mean over computed tokens)")
+    ax.set_xlabel("KV bytes per request, relative to float32-KV Native "
+                  "(mean over computed tokens)")
     ax.set_ylabel(label + (" (lower is better)" if lower_is_better else ""))
     if metric == "ppl":
         ax.set_yscale("log")
@@ -243,27 +293,42 @@ def frontier_plot(rows: List[Dict], metric: str, label: str, title: str, lower_i
     return fig
 
 
-def best_under(rows: List[Dict], ok) -> Dict[str, Optional[Dict]]:
-    """Per policy, the variant with the fewest KV blocks among those `ok` accepts."""
+def kv_bytes(r: Dict) -> float:
+    """KV bytes relative to float32-KV Native (a JSON from before the dtype axis: its blocks)."""
+    return r.get("bytes_x", r["kv_x"])
+
+
+def is_reference(r: Dict) -> bool:
+    return r["policy"] == "none" and r.get("kv_dtype", "auto") == "auto"
+
+
+def best_under(rows: List[Dict], ok, loss) -> Dict[str, Optional[Dict]]:
+    """Per policy (Native too where another KV dtype ran it), the variant with the fewest KV
+    bytes among those `ok` accepts, over every KV dtype; equal bytes: the lowest loss(row)."""
     out = {}
-    for p in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "none"):
-        good = [r for r in rows if r["policy"] == p and ok(r)]
-        out[p] = min(good, key=lambda r: r["kv_x"]) if good else None
+    for p in dict.fromkeys(r["policy"] for r in rows if not is_reference(r)):
+        good = [r for r in rows if r["policy"] == p and not is_reference(r) and ok(r)]
+        out[p] = min(good, key=lambda r: (kv_bytes(r), loss(r))) if good else None
     return out
 
 
+def cheapest(r: Optional[Dict]) -> str:
+    """0.13 (512, fp8_e4m3): KV bytes x, budget, and the KV dtype where not auto."""
+    if r is None:
+        return "none"
+    dtype = r.get("kv_dtype", "auto")
+    return f"{kv_bytes(r):.2f} ({r['budget']}{'' if dtype == 'auto' else ', ' + dtype})"
+
+
 def summary(ppl_rows: List[Dict], key_rows: List[Dict]) -> List[Dict]:
-    native_ppl = next(r["ppl"] for r in ppl_rows if r["policy"] == "none")
-    ppl_best = best_under(ppl_rows, lambda r: r["ppl"] <= 1.05 * native_ppl)
-    native_acc = {r["length"]: r["accuracy"] for r in key_rows if r["policy"] == "none"}
-    key_best = best_under(key_rows, lambda r: r["accuracy"] >= native_acc[r["length"]])
-    rows = []
-    for p in ppl_best:
-        a, b = ppl_best[p], key_best.get(p)
-        rows.append({"policy": p,
-                     "ppl<=1.05x: KV x": f"{a['kv_x']:.2f} ({a['budget']})" if a else "none",
-                     "passkey=Native: KV x": f"{b['kv_x']:.2f} ({b['budget']})" if b else "none"})
-    return rows
+    native_ppl = next(r["ppl"] for r in ppl_rows if is_reference(r))
+    ppl_best = best_under(ppl_rows, lambda r: r["ppl"] <= 1.05 * native_ppl, lambda r: r["ppl"])
+    native_acc = {r["length"]: r["accuracy"] for r in key_rows if is_reference(r)}
+    key_best = best_under(key_rows, lambda r: r["accuracy"] >= native_acc[r["length"]],
+                          lambda r: -r["accuracy"])
+    return [{"policy": "Native" if p == "none" else p,
+             "ppl<=1.05x: KV bytes x": cheapest(ppl_best[p]),
+             "passkey=Native: KV bytes x": cheapest(key_best.get(p))} for p in ppl_best]
 
 
 def main():
@@ -281,9 +346,18 @@ def main():
     p.add_argument("--tasks", nargs="+", default=["ppl", "passkey", "chat"],
                    choices=["ppl", "passkey", "chat"])
     p.add_argument("--chats", type=int, default=None, help="short ShareGPT chats for (d)")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                   help="(a), (b) per KV cache dtype, e.g. auto fp8_e4m3 fp8_e5m2 (auto, the "
+                        "reference, always runs; other dtypes: files *_kv_dtypes)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8: per-layer K/V scales from the first prefill (else 1.0)")
     p.add_argument("--plot-only", action="store_true", help="redraw the plots from the JSON")
     args = p.parse_args()
-    suffix = "_quick" if args.quick else ""
+    # a run with fp8 rows writes its own files (accuracy_kv_dtypes.json, ...): the float32-only
+    # figures stay; --plot-only takes the same flags
+    suffix = ("_quick" if args.quick else "") + \
+        ("_kv_dtypes" if len(kv_dtype_order(args.kv_cache_dtypes)) > 1 else "") + \
+        ("_kv_scales" if args.calculate_kv_scales else "")
     if args.plot_only:
         import json
         with open(os.path.join(common.RESULTS, f"accuracy{suffix}.json")) as f:
@@ -300,10 +374,12 @@ def main():
     args.trials = args.trials or (6 if args.quick else 20)
     todo = variants(args.policies, budgets)
     print(f"# {common.machine()}\n# model: {label}; chunk {args.chunk}; budgets {budgets}, "
-          f"passkey budgets {key_budgets}")
+          f"passkey budgets {key_budgets}; KV dtypes {kv_dtype_order(args.kv_cache_dtypes)}")
 
     t0 = time.perf_counter()
-    data = {"model": label, "chunk": args.chunk, "quick": args.quick}
+    data = {"model": label, "chunk": args.chunk, "quick": args.quick,
+            "kv_cache_dtypes": kv_dtype_order(args.kv_cache_dtypes),
+            "calculate_kv_scales": args.calculate_kv_scales}
     merged, key_rows = [], []
     if "ppl" in args.tasks:
         merged = perplexity_task(model, args, tok, todo, length, texts, data)
@@ -311,8 +387,9 @@ def main():
         key_rows = passkey_task(model, args, tok, key_lengths, key_budgets, data)
     if merged and key_rows:
         data["summary"] = summary(merged, key_rows)
-        common.table(data["summary"], ["policy", "ppl<=1.05x: KV x", "passkey=Native: KV x"],
-                     "fewest KV blocks (x Native) at which each policy keeps quality")
+        common.table(data["summary"], ["policy", "ppl<=1.05x: KV bytes x",
+                                       "passkey=Native: KV bytes x"],
+                     "fewest KV bytes (x float32-KV Native) at which each policy keeps quality")
     if merged or key_rows:
         common.save("accuracy" + suffix, dict(data, seconds=time.perf_counter() - t0))
         plot(data, suffix)
@@ -333,7 +410,7 @@ def plot(data: Dict, suffix: str) -> None:
         figs["accuracy_ppl"] = frontier_plot(data["perplexity"], "ppl", "perplexity",
                                              f"Teacher-forced perplexity, {name}", True)
         figs["accuracy_kl"] = frontier_plot(data["perplexity"], "kl",
-                                            "mean KL(Native || policy), nats",
+                                            "mean KL(float32-KV Native || variant), nats",
                                             f"KL divergence from Native, {name}", True)
     keys = data.get("passkey", [])
     for n in sorted({r["length"] for r in keys}):
@@ -350,17 +427,19 @@ def perplexity_task(model, args, tok, todo, length, texts, data) -> List[Dict]:
     t0 = time.perf_counter()
     per_text = []
     for i, ids in enumerate(essay_windows(tok, texts, length, args.seed)):
-        per_text += [dict(r, text=i) for r in run_perplexity(model, args, ids, todo)]
-    merged = []                                          # mean over texts per (policy, budget)
-    for pol, bud in todo:
-        rs = [r for r in per_text if r["policy"] == pol and r["budget"] == bud]
-        merged.append({"policy": pol, "budget": bud,
+        per_text += [dict(r, text=i) for r in run_perplexity(model, args, ids, todo,
+                                                              args.kv_cache_dtypes)]
+    merged = []                                  # mean over texts per (KV dtype, policy, budget)
+    for cell in dict.fromkeys((r["kv_dtype"], r["policy"], r["budget"]) for r in per_text):
+        rs = [r for r in per_text if (r["kv_dtype"], r["policy"], r["budget"]) == cell]
+        merged.append({"kv_dtype": cell[0], "policy": cell[1], "budget": cell[2],
                        "ppl": float(np.exp(np.mean([np.log(r["ppl"]) for r in rs]))),
                        "kl": float(np.mean([r["kl"] for r in rs])),
-                       "kv_x": float(np.mean([r["kv_x"] for r in rs]))})
-    common.table(merged, ["policy", "budget", "kv_x", "ppl", "kl"],
-                 f"(a) teacher-forced perplexity / KL from Native, {texts} x {length} tokens "
-                 f"({time.perf_counter() - t0:.0f} s)")
+                       "kv_x": float(np.mean([r["kv_x"] for r in rs])),
+                       "bytes_x": float(np.mean([r["bytes_x"] for r in rs]))})
+    common.table(merged, ["kv_dtype", "policy", "budget", "kv_x", "bytes_x", "ppl", "kl"],
+                 f"(a) teacher-forced perplexity / KL from float32-KV Native, {texts} x {length} "
+                 f"tokens ({time.perf_counter() - t0:.0f} s)")
     data.update(ppl_length=length, texts=texts, budgets=[b for _, b in todo[1:]],
                 perplexity=merged, perplexity_per_text=per_text)
     return merged
@@ -370,8 +449,9 @@ def passkey_task(model, args, tok, lengths, budgets, data) -> List[Dict]:
     t0 = time.perf_counter()
     rows = []
     for n in lengths:
-        rows += run_passkey(model, args, tok, n, variants(args.policies, budgets))
-    common.table(rows, ["length", "policy", "budget", "kv_x", "accuracy"],
+        rows += run_passkey(model, args, tok, n, variants(args.policies, budgets),
+                            args.kv_cache_dtypes)
+    common.table(rows, ["length", "kv_dtype", "policy", "budget", "kv_x", "bytes_x", "accuracy"],
                  f"(b) passkey retrieval, {args.trials} trials per cell "
                  f"({time.perf_counter() - t0:.0f} s)")
     data.update(passkey_budgets=budgets, passkey=rows)

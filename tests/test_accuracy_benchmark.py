@@ -1,11 +1,13 @@
 """benchmarks/benchmark_accuracy.py's scoring, on the tiny model: Native's teacher-forced
 perplexity equals transformers', KL from Native is 0 for Native and positive under eviction, and
-the KV footprint of an evicting variant is below Native's."""
+the KV footprint of an evicting variant is below Native's; the KV dtype axis scores fp8 against
+float32-KV Native, with and without eviction, in KV bytes."""
 import os
 import sys
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from tests.conftest import random_prompts
@@ -39,3 +41,53 @@ def test_pareto_frontier():
     assert bench.pareto(pts, lower_is_better=True) == [(0.3, 40.0), (0.5, 26.0), (0.8, 25.0)]
     acc = [(0.3, 0.5), (0.5, 0.4), (0.6, 0.9), (0.9, 0.9)]
     assert bench.pareto(acc, lower_is_better=False) == [(0.3, 0.5), (0.6, 0.9)]
+
+
+def test_kv_dtype_axis(tiny_llama):
+    """fp8 rows, Native and evicting, scored against float32-KV Native: fp8 Native holds the
+    same blocks in a quarter of the bytes, close to float32 (KL bounds as
+    test_kv_cache_dtype.test_fp8_logits_close_to_fp32); an evicting fp8 row holds the blocks of
+    its float32 twin at a quarter of the bytes."""
+    text = random_prompts(1, seed=91, lo=200, hi=201)[0]
+    args = SimpleNamespace(step_tokens=256, seed=0, kv_gib=0.01, chunk=32)
+    rows = bench.run_perplexity(tiny_llama, args, text, bench.variants(["tova"], ["64"]),
+                                ["fp8_e5m2", "auto", "fp8_e4m3"])
+    assert [(r["kv_dtype"], r["policy"]) for r in rows] == [
+        ("auto", "none"), ("auto", "tova"), ("fp8_e5m2", "none"), ("fp8_e5m2", "tova"),
+        ("fp8_e4m3", "none"), ("fp8_e4m3", "tova")]
+    by = {(r["kv_dtype"], r["policy"]): r for r in rows}
+    ref = by["auto", "none"]
+    assert ref["kl"] == 0.0 and ref["kv_x"] == ref["bytes_x"] == 1.0
+    for dtype, bound in (("fp8_e4m3", 0.03), ("fp8_e5m2", 0.1)):
+        native, tova = by[dtype, "none"], by[dtype, "tova"]
+        assert native["kv_x"] == 1.0 and native["bytes_x"] == 0.25 and native["evicted"] == 0
+        assert 0 < native["kl"] < bound and abs(np.log(native["ppl"] / ref["ppl"])) < 0.05
+        assert tova["evicted"] > 0 and tova["kl"] > native["kl"]
+        assert tova["bytes_x"] == pytest.approx(tova["kv_x"] / 4)
+        assert tova["kv_x"] == pytest.approx(by["auto", "tova"]["kv_x"], abs=0.05)
+    # the summary names the cheapest combination that keeps quality, dtype included
+    keys = [dict(r, length=512, accuracy=0.9 if r["kv_dtype"] == "fp8_e5m2" else 1.0)
+            for r in rows]
+    best = {r["policy"]: r for r in bench.summary(rows, keys)}
+    assert best["Native"]["passkey=Native: KV bytes x"] == "0.25 (-, fp8_e4m3)"
+    assert best["tova"]["passkey=Native: KV bytes x"].endswith("(64, fp8_e4m3)")
+    lowest = min((r for r in rows if r["kv_dtype"] != "auto" and r["policy"] == "none"),
+                 key=lambda r: r["ppl"])
+    assert best["Native"]["ppl<=1.05x: KV bytes x"] == f"0.25 (-, {lowest['kv_dtype']})"
+
+
+def test_passkey_kv_dtype_axis(tiny_llama):
+    """Passkey cells per KV dtype, Native's reference from float32 KV: fp8-only runs still run
+    it (accuracy is near 0 on the random model; the bookkeeping is what is checked)."""
+    from vllm.model_executor.gguf_loader import resolve_model
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(resolve_model(tiny_llama))
+    args = SimpleNamespace(step_tokens=256, seed=0, kv_gib=0.01, chunk=32, trials=2)
+    rows = bench.run_passkey(tiny_llama, args, tok, 96, bench.variants(["h2o"], ["32"]),
+                             ["fp8_e4m3"])
+    assert [(r["kv_dtype"], r["policy"]) for r in rows] == [
+        ("auto", "none"), ("fp8_e4m3", "none"), ("fp8_e4m3", "h2o")]
+    assert [r["bytes_x"] for r in rows[:2]] == [1.0, 0.25] and rows[1]["kv_x"] == 1.0
+    assert rows[2]["kv_x"] < 0.9 and rows[2]["trials"] == 2
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        bench.run_passkey(tiny_llama, args, tok, 96, bench.variants(["h2o"], ["32"]), ["int4"])
