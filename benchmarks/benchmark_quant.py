@@ -6,7 +6,15 @@ Decode tok/s = batch * (L - 1) / (t(L) - t(1)): a greedy batch generating L toke
 batch generating one (its prefill), best of --repeats. Prints a table; writes JSON to
 benchmarks/results/benchmark_quant.json.
 
+--gemv instead times one GEMM of each of the default model's shapes per GGUF type (Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, and Q4_K / Q6_K where the rows are a multiple of 256 wide: only ffn_down's
+1536; llama.cpp writes 576-wide rows of a Q4_K_M file as Q5_0) against the engine's float32 C
+GEMM, at --rows activation rows, weights streamed from memory (the call cycles through copies
+that together exceed the last-level cache, as a decode step's 30 layers do). Writes
+benchmark_quant_gemv.json and .png.
+
     python benchmarks/benchmark_quant.py [--threads 2] [--batches 1 16 32] [--tokens 48]
+    python benchmarks/benchmark_quant.py --gemv [--rows 1 16]
 """
 import argparse
 import json
@@ -18,7 +26,99 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import RESULTS, cpu_info  # noqa: E402
+from common import RESULTS, cpu_info, plt, save, table  # noqa: E402
+
+# the default model's GEMMs: name -> (N, K) and how many a decode step runs
+SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30),
+          "down": (576, 1536, 30), "lm_head": (49152, 576, 1)}
+GEMV_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
+# a Q4_K_M file of this model as llama.cpp writes it, roughly: 576-wide rows fall back to Q5_0,
+# ffn_down (1536 wide) is Q4_K, the tied embedding Q8_0
+Q4_K_M = {"qkv": "Q5_0", "o": "Q5_0", "gate_up": "Q5_0", "down": "Q4_K", "lm_head": "Q8_0"}
+STREAM_BYTES = 96 << 20         # copies of a weight cycled per shape: 3x this CPU's 32 MiB L3
+
+
+def _random_blocks(qtype: int, n: int, k: int, rng) -> torch.Tensor:
+    """Random block bytes with fp16 scales of 2^-10 (valid numbers; speed does not depend on
+    them)."""
+    from vllm import quant_kernels as qk
+    nblk = k // qk.BLOCK_ELEMS[qtype]
+    b = rng.integers(0, 256, (n, nblk, qk.BLOCK_BYTES[qtype]), dtype="uint8")
+    scale = torch.tensor([2.0 ** -10], dtype=torch.float16).view(torch.uint8).numpy()
+    offsets = {qk.Q6_K: [208], qk.Q4_K: [0, 2], qk.Q4_1: [0, 2], qk.Q5_1: [0, 2]}
+    for off in offsets.get(qtype, [0]):
+        b[..., off:off + 2] = scale
+    return torch.from_numpy(b.reshape(n, -1))
+
+
+def _time_cycled(calls, repeats: int = 5) -> float:
+    """Best-of-repeats seconds per call over one pass through `calls` (each on its own copy)."""
+    for c in calls[:2]:
+        c()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        best = min(best, (time.perf_counter() - t0) / len(calls))
+    return best
+
+
+def gemv_main(args) -> None:
+    import numpy as np
+
+    from vllm import cpu_kernels, quant_kernels as qk
+    rng = np.random.default_rng(0)
+    ids = {name: t for t, name in qk.TYPE_NAMES.items()}
+    rows, times = [], {}
+    for shape, (n, k, _) in SHAPES.items():
+        for m in args.rows:
+            x = torch.randn(m, k)
+            wt = torch.randn(k, n) * 0.05
+            copies = max(2, STREAM_BYTES // (n * k * 4))
+            packed = [cpu_kernels.pack_weight(wt) for _ in range(copies)]
+            t32 = _time_cycled([lambda p=p: cpu_kernels.packed_gemm(x, p, n) for p in packed])
+            del packed
+            times[(shape, "fp32", m)] = t32
+            row = {"gemm": shape, "N": n, "K": k, "rows": m, "fp32 us": t32 * 1e6}
+            for name in GEMV_TYPES:
+                t = ids[name]
+                if k % qk.BLOCK_ELEMS[t]:
+                    continue
+                nbytes = n * qk.row_bytes(t, k)
+                ws = [_random_blocks(t, n, k, rng)
+                      for _ in range(max(2, STREAM_BYTES // nbytes))]
+                sec = _time_cycled([lambda w=w: qk.gemm(x, w, t, n, k) for w in ws])
+                times[(shape, name, m)] = sec
+                row[f"{name} us"] = sec * 1e6
+                row[f"{name} GB/s"] = nbytes / sec / 1e9
+            rows.append(row)
+    cols = ["gemm", "N", "K", "rows", "fp32 us"] + [f"{t} us" for t in GEMV_TYPES]
+    info = cpu_info()
+    title = (f"{info['cpu']}, quant kernels {qk.active_isa()}, {args.threads} threads: "
+             "one GEMM, weights streamed")
+    table(rows, cols, title)
+    formats = {"fp32": {s: "fp32" for s in SHAPES}, "Q8_0": {s: "Q8_0" for s in SHAPES},
+               "Q4_0": {s: "Q4_0" for s in SHAPES}, "Q4_1": {s: "Q4_1" for s in SHAPES},
+               "Q4_K_M": Q4_K_M}
+    step_rows = []
+    for m in args.rows:
+        step = {f: sum(times[(s, fmt[s], m)] * SHAPES[s][2] for s in SHAPES)
+                for f, fmt in formats.items()}
+        step_rows.append({"rows": m, **{f"{f} ms": v * 1e3 for f, v in step.items()},
+                          **{f"{f} vs fp32": step["fp32"] / v for f, v in step.items()
+                             if f != "fp32"}})
+    table(step_rows, list(step_rows[0]), "a decode step's GEMMs (30 layers + lm_head), summed")
+    fig, ax = plt().subplots(figsize=(7, 3.5))
+    for j, (f, _) in enumerate(formats.items()):
+        ax.bar([i + j * 0.16 for i in range(len(args.rows))],
+               [r[f"{f} ms"] for r in step_rows], 0.16, label=f)
+    ax.set_xticks([i + 0.32 for i in range(len(args.rows))], [f"{m} rows" for m in args.rows])
+    ax.set_ylabel("ms per decode step (GEMMs)")
+    ax.set_title(f"SmolLM2-135M GEMMs by weight format, {info['cpu']}")
+    ax.legend(fontsize=8)
+    save("benchmark_quant_gemv", {"threads": args.threads, "rows": rows, "step": step_rows,
+                                  "q4_k_m_layout": Q4_K_M}, fig)
 
 
 def decode_tok_s(llm, batch: int, tokens: int, repeats: int) -> float:
@@ -42,8 +142,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(RESULTS, "benchmark_quant.json"))
+    ap.add_argument("--gemv", action="store_true",
+                    help="time single GEMMs of the default model's shapes per GGUF type")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16],
+                    help="--gemv: activation rows")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.gemv:
+        gemv_main(args)
+        return
     from vllm import LLM, quant_kernels
     results = {}
     for quant in ("none", "gguf"):
