@@ -67,11 +67,7 @@ class Worker:
         self.tp = tp or TPGroup()
         mc = config.model_config
         self.device = self.tp.device if self.tp.world_size > 1 else torch.device(mc.device)
-        if config.cache_config.kv_cache_dtype != "auto" and self.device.type != "cpu":
-            raise ValueError(f"--kv-cache-dtype {config.cache_config.kv_cache_dtype}: an fp8 KV "
-                             f"cache is implemented on CPU only in this build (the Triton/CUDA "
-                             f"kernels read the model's dtype); use --kv-cache-dtype auto on "
-                             f"{self.device.type}")
+        kv_quant.check_device(config.cache_config.kv_cache_dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.simulated = mc.load_format == "simulate"
