@@ -128,6 +128,23 @@ def test_killed_worker_is_a_clear_error_and_nothing_is_left(tiny_llama):
     assert not worker.is_alive() and not multiprocessing.active_children()
 
 
+def test_a_rank_that_dies_before_joining_is_an_error_at_once():
+    """(A script without the __main__ guard: its spawned rank dies importing it.) Rank 0 does
+    not wait out the group's timeout."""
+    from vllm.distributed.shm_segment import PeerGone
+    from vllm.distributed.tp_group import TPGroup
+    p = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,))
+    p.start()
+    tp = TPGroup(0, 2, connect=False, peer_alive=p.is_alive)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PeerGone, match="ended before it joined"):
+            tp.connect()
+        assert time.monotonic() - t0 < 30 and p.exitcode == 3
+    finally:
+        tp.shutdown()
+
+
 def test_shutdown_and_garbage_collection_leave_no_worker(tiny_llama):
     import gc
     llm = LLM(tiny_llama, tensor_parallel_size=2, num_gpu_blocks_override=32)

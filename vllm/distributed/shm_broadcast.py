@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 
 from vllm.distributed.shm_segment import LINE, ShmSegment
 
-READER_SPIN_S = 0.005        # the next step usually comes within this (rank 0's engine work)
+READER_SPIN_S = 0.02         # rank 0 spends ~2-7 ms between steps (sampling, scheduling)
 
 
 class ShmBroadcast:

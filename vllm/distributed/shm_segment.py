@@ -57,7 +57,10 @@ class ShmSegment:
         # the mmap holds none, and a read after close() would be a segfault
         self._map = self.shm._mmap
         self.peer_alive: Callable[[], bool] = lambda: True
-        self._views = []              # every view made here: released before close
+        # True where ranks share cores: a spinning waiter would hold the core its peer needs
+        # (yielding is not the default: it hands the core to any other process for a slice)
+        self.yield_core = False
+        self._memoryviews = []        # released at close (an owner drops its arrays first)
 
     def counters(self, n: int, offset: int = 0) -> np.ndarray:
         """n int64 counters at offset, one cache line each (zeroed by the creator)."""
@@ -65,19 +68,17 @@ class ShmSegment:
         lines = np.frombuffer(self._map, np.int64, n * LINE // 8, offset).reshape(n, -1)
         if self.created:
             lines[:] = 0
-        return self._keep(lines[:, 0])
+        return lines[:, 0]
 
     def floats(self, shape, offset: int) -> torch.Tensor:
         """A float32 tensor of `shape` over the segment at offset (no copy)."""
         arr = np.frombuffer(self._map, np.float32, int(np.prod(shape)), offset).reshape(shape)
-        return self._keep(torch.from_numpy(arr))
+        return torch.from_numpy(arr)
 
     def bytes(self, offset: int, n: int) -> memoryview:
         assert offset + n <= self.nbytes
-        return self._keep(memoryview(self._map)[offset:offset + n])
-
-    def _keep(self, view):
-        self._views.append(view)
+        view = memoryview(self._map)[offset:offset + n]
+        self._memoryviews.append(view)
         return view
 
     def wait_for(self, counters: np.ndarray, k: int, what: str, spin_s: float = SPIN_S) -> None:
@@ -85,10 +86,7 @@ class ShmSegment:
         if min(counters.tolist()) >= k:
             return
         start = time.perf_counter()
-        while min(counters.tolist()) < k:
-            if time.perf_counter() - start > spin_s:
-                break
-        else:
+        if self._spin(counters, k, start + spin_s):
             return
         last_check = start
         while min(counters.tolist()) < k:
@@ -102,13 +100,22 @@ class ShmSegment:
                     raise PeerGone(f"rank {self.rank}: the shared-memory {what} waited "
                                    f"{self.timeout_s:.0f} s for a peer")
 
+    def _spin(self, counters: np.ndarray, k: int, until: float) -> bool:
+        """Look until every counter is >= k (True) or the clock passes `until` (False),
+        yielding the core between looks where a peer may need it."""
+        while min(counters.tolist()) < k:
+            if time.perf_counter() > until:
+                return False
+            if self.yield_core:
+                os.sched_yield()
+        return True
+
     def close(self) -> None:
         if self.shm is None:
             return
-        for v in self._views:
-            if isinstance(v, memoryview):
-                v.release()
-        self._views = self._map = None
+        for view in self._memoryviews:
+            view.release()
+        self._memoryviews, self._map = [], None
         try:
             self.shm.close()
         except BufferError:      # a view still alive somewhere: mapped until the process ends

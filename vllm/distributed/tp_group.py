@@ -20,6 +20,7 @@ group: two engines in one process (tests, a server and a benchmark) each get the
 """
 import datetime
 import logging
+import os
 import pickle
 import time
 from typing import Any, Callable, Optional
@@ -30,13 +31,14 @@ import torch.distributed as dist
 from vllm.distributed.shm_all_reduce import ShmAllReduce
 from vllm.distributed.shm_broadcast import ShmBroadcast
 from vllm.distributed.shm_gather import ShmGather
-from vllm.distributed.shm_segment import host_has_room
+from vllm.distributed.shm_segment import PeerGone, host_has_room
 
 logger = logging.getLogger(__name__)
 
 # a worker that hangs (not dies: a dead one closes its sockets and fails the collective at once)
 # fails the step after this long
 DEFAULT_TIMEOUT_S = 600.0
+JOIN_POLL_S = 0.05
 
 
 def rank_device(device: str, rank: int, world_size: int) -> torch.device:
@@ -65,21 +67,20 @@ class TPGroup:
         self.shm_gather: Optional[ShmGather] = None
         self.shm_bcast: Optional[ShmBroadcast] = None
         self.comm_seconds = 0.0        # host time spent waiting in collectives (benchmarks)
+        self.peer_alive = peer_alive or (lambda: True)
         if world_size == 1:
             return
         self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout,
                                    wait_for_workers=False)
         if self.device.type == "cpu":
             self._shm_bytes = 0
-            alive = peer_alive or (lambda: True)
-            self.shm = self._shm_setup("shm_all_reduce", ShmAllReduce, shm_floats, alive)
-            self.shm_gather = self._shm_setup("shm_gather", ShmGather, shm_gather_floats, alive)
-            self.shm_bcast = self._shm_setup("shm_broadcast", ShmBroadcast, shm_broadcast_bytes,
-                                             alive)
+            self.shm = self._shm_setup("shm_all_reduce", ShmAllReduce, shm_floats)
+            self.shm_gather = self._shm_setup("shm_gather", ShmGather, shm_gather_floats)
+            self.shm_bcast = self._shm_setup("shm_broadcast", ShmBroadcast, shm_broadcast_bytes)
         if connect:
             self.connect()
 
-    def _shm_setup(self, key: str, cls, size: int, peer_alive: Callable[[], bool]):
+    def _shm_setup(self, key: str, cls, size: int):
         """Rank 0 creates cls's segment when size > 0 and /dev/shm has room for it beside the
         ones before, and names it under key in the store ("": none); the others attach to the
         one it named."""
@@ -101,14 +102,34 @@ class TPGroup:
             name = self.store.get(key).decode()
             obj = cls(self.rank, self.world_size, size, name, self.timeout_s) if name else None
         if obj is not None:
-            obj.seg.peer_alive = peer_alive
+            obj.seg.peer_alive = self.peer_alive
+            obj.seg.yield_core = (os.cpu_count() or 1) < self.world_size
         return obj
 
     def connect(self) -> None:
+        """Join the process group. Rank 0 first waits for every rank to check in, asking
+        peer_alive meanwhile: a rank that dies before it joins (a script without the
+        `if __name__ == "__main__"` guard, under spawn) is an error at once, not a wait for
+        the group's timeout."""
+        if self.rank == 0:
+            self._wait_for_ranks()
+        else:
+            self.store.set(f"joined/{self.rank}", b"1")
         if self.device.type == "cuda":
             self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.world_size)
         else:
             self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self.timeout)
+
+    def _wait_for_ranks(self) -> None:
+        keys = [f"joined/{r}" for r in range(1, self.world_size)]
+        start = time.monotonic()
+        while not self.store.check(keys):
+            if not self.peer_alive():
+                raise PeerGone("a tensor-parallel rank ended before it joined the group")
+            if time.monotonic() - start > self.timeout_s:
+                raise PeerGone(f"the tensor-parallel ranks did not join within "
+                               f"{self.timeout_s:.0f} s")
+            time.sleep(JOIN_POLL_S)
 
     @property
     def port(self) -> int:
