@@ -5,13 +5,14 @@ One program per token t, storing all of its KV heads:
     k, v      [T, KVH, D]           (strided views of the QKV projection; rows need not be dense)
     kv_cache  [S, 2, KVH, D]        kv_cache[slot[t], 0] = k[t], kv_cache[slot[t], 1] = v[t]
 
-An fp8 cache (e4m3fn / e5m2, vllm/attention/kv_quant.py) stores x * (1 / scale) rounded to
-nearest even and saturated to the largest finite value, with the layer's scales read from
-device memory (kv_quant.scale_row: (k, v, 1/k, 1/v)), never baked into the launch, so a CUDA
-graph captured before --calculate-kv-scales sets them writes with the set values. The rounding
-is integer arithmetic on the float32 bits (`_fp8_bits`), the same steps compiled and under the
-interpreter (whose own fp8 cast rounds half up and does not saturate), and equals torch's cast
-of the clamped value bit for bit (tests/test_triton_fp8.py).
+An fp8 cache (e4m3fn / e5m2, vllm/attention/kv_quant.py; `_write_kv_fp8_kernel`, a float
+cache `_write_kv_kernel`) stores x * (1 / scale) rounded to nearest even and saturated to the
+largest finite value, with the layer's scales read from device memory (kv_quant.scale_row:
+(k, v, 1/k, 1/v)), never baked into the launch, so a CUDA graph captured before
+--calculate-kv-scales sets them writes with the set values. The rounding is integer
+arithmetic on the float32 bits (`_fp8_bits`), the same steps compiled and under the interpreter
+(whose own fp8 cast rounds half up and does not saturate), and equals torch's cast of the
+clamped value bit for bit (tests/test_triton_fp8.py).
 
 Padding (slot -1) is a masked store, so there is no host check and the launch is
 CUDA-graph capturable. On CPU it runs under TRITON_INTERPRET=1 (tests only).
