@@ -224,10 +224,10 @@ def test_gemm_parts_puts_each_weight_in_its_columns(isa):
     n = sum(b.shape[0] for b, _ in parts)
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     residual = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32))
-    y = quant_kernels.gemm_parts(x, parts, k, bias, residual, isa=isa)
+    y = quant_kernels.gemm_parts(x, quant_kernels.Parts(parts, k), bias, residual, isa=isa)
     each = torch.cat([quant_kernels.gemm(x, b, t, b.shape[0], k, isa=isa) for b, t in parts], 1)
     assert torch.equal(y, each + bias + residual)
-    assert torch.equal(quant_kernels.gemm_parts(x, parts[:1], k, isa=isa),
+    assert torch.equal(quant_kernels.gemm_parts(x, quant_kernels.Parts(parts[:1], k), isa=isa),
                        quant_kernels.gemm(x, parts[0][0], Q4_K, 24, k, isa=isa))
 
 

@@ -116,25 +116,35 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: int,
     return y
 
 
-def gemm_parts(x: torch.Tensor, parts: Sequence[Tuple[torch.Tensor, int]], k: int,
-               bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+class Parts:
+    """Weights for gemm_parts: (blocks uint8 [N_p, row_bytes(qtype_p, K)], qtype_p), up to
+    MAX_PARTS, their outputs side by side (N = sum N_p). The C call's argument arrays are built
+    once, so the tensors must stay in place (the engine never moves its model)."""
+
+    def __init__(self, parts: Sequence[Tuple[torch.Tensor, int]], k: int):
+        assert 1 <= len(parts) <= MAX_PARTS
+        for blocks, qtype in parts:
+            assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+            assert blocks.dim() == 2 and blocks.shape[1] == row_bytes(qtype, k)
+        p = len(parts)
+        self.tensors = [b for b, _ in parts]
+        self.count, self.k = p, k
+        self.n = sum(b.shape[0] for b, _ in parts)
+        self.types = (ctypes.c_int * p)(*(t for _, t in parts))
+        self.ptrs = (ctypes.c_void_p * p)(*(b.data_ptr() for b, _ in parts))
+        self.ns = (ctypes.c_int64 * p)(*(b.shape[0] for b, _ in parts))
+
+
+def gemm_parts(x: torch.Tensor, parts: Parts, bias: Optional[torch.Tensor] = None,
+               residual: Optional[torch.Tensor] = None,
                isa: Optional[str] = None) -> torch.Tensor:
-    """x [M, K] float32 @ [W_0; W_1; ...]^T -> [M, N] (+ bias [N]) (+ residual [M, N]) with
-    N = sum N_p: parts are (blocks uint8 [N_p, row_bytes(qtype_p, K)], qtype_p), up to
-    MAX_PARTS; x is quantized once for all of them."""
-    assert 1 <= len(parts) <= MAX_PARTS
-    for blocks, qtype in parts:
-        assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
-        assert blocks.dim() == 2 and blocks.shape[1] == row_bytes(qtype, k)
-    p = len(parts)
-    ns = (ctypes.c_int64 * p)(*(b.shape[0] for b, _ in parts))
-    n = sum(ns)
-    x, residual = _check_io(x, k, n, bias, residual)
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    """x [M, K] float32 @ [W_0; W_1; ...]^T -> [M, N] (+ bias [N]) (+ residual [M, N]), x
+    quantized once for all of them."""
+    x, residual = _check_io(x, parts.k, parts.n, bias, residual)
+    y = torch.empty(x.shape[0], parts.n, dtype=torch.float32)
     rc = library(isa or active_isa()).vq_gemm_parts(
-        p, (ctypes.c_int * p)(*(t for _, t in parts)),
-        (ctypes.c_void_p * p)(*(b.data_ptr() for b, _ in parts)), ns, k, x.data_ptr(),
-        x.shape[0], _ptr_or_none(bias), _ptr_or_none(residual), y.data_ptr())
+        parts.count, parts.types, parts.ptrs, parts.ns, parts.k, x.data_ptr(), x.shape[0],
+        _ptr_or_none(bias), _ptr_or_none(residual), y.data_ptr())
     assert rc == 0, "vq_gemm_parts failed (out of memory?)"
     return y
 

@@ -66,8 +66,9 @@ static const char *ISA = "generic";
 
 const char *vq_isa(void) { return ISA; }
 
-/* bytes of one block of `type`, 0 for a type these kernels do not cover */
-int vq_block_bytes(int type) {
+/* bytes of one block of `type`, 0 for a type these kernels do not cover (static: calls to an
+   exported function are not inlined in a -fPIC build, and the kernels ask per block) */
+static inline int block_bytes(int type) {
     switch (type) {
     case T_Q8_0: return 34;
     case T_Q4_0: return 18;
@@ -81,10 +82,14 @@ int vq_block_bytes(int type) {
 }
 
 /* elements of one block of `type` (0: not covered) */
-int vq_block_elems(int type) {
-    if (vq_block_bytes(type) == 0) return 0;
+static inline int block_elems(int type) {
+    if (block_bytes(type) == 0) return 0;
     return type == T_Q4_K || type == T_Q6_K ? QK_K : QK;
 }
+
+int vq_block_bytes(int type) { return block_bytes(type); }
+
+int vq_block_elems(int type) { return block_elems(type); }
 
 static inline int is_signed(int type) { return type == T_Q8_0 || type == T_Q6_K; }
 
@@ -93,8 +98,8 @@ static inline int has_sum_term(int type) { return !is_signed(type); }
 
 /* byte offset in a row of the block holding 32-element block b */
 static inline int64_t block_offset(int type, int64_t b) {
-    return vq_block_elems(type) == QK_K ? (b >> 3) * vq_block_bytes(type)
-                                        : b * vq_block_bytes(type);
+    return block_elems(type) == QK_K ? (b >> 3) * block_bytes(type)
+                                        : b * block_bytes(type);
 }
 
 static inline uint16_t rd16(const uint8_t *p) {
@@ -184,6 +189,39 @@ void vq_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, int8_t *e
     }
 }
 
+/* the tile for a (type, rows) pair known at compile time */
+#define CASE_TYPE(TILE, T, ...)                                                                \
+    case T * 8 + 1: TILE(T, 1, __VA_ARGS__); break;                                            \
+    case T * 8 + 2: TILE(T, 2, __VA_ARGS__); break;                                            \
+    case T * 8 + 3: TILE(T, 3, __VA_ARGS__); break;                                            \
+    case T * 8 + 4: TILE(T, 4, __VA_ARGS__); break;
+#define DISPATCH(TILE, type, mr, ...)                                                          \
+    do {                                                                                       \
+        switch ((type) * 8 + (mr)) {                                                           \
+            CASE_TYPE(TILE, T_Q8_0, __VA_ARGS__)                                               \
+            CASE_TYPE(TILE, T_Q4_0, __VA_ARGS__)                                               \
+            CASE_TYPE(TILE, T_Q4_1, __VA_ARGS__)                                               \
+            CASE_TYPE(TILE, T_Q5_0, __VA_ARGS__)                                               \
+            CASE_TYPE(TILE, T_Q5_1, __VA_ARGS__)                                               \
+            CASE_TYPE(TILE, T_Q4_K, __VA_ARGS__)                                               \
+            CASE_TYPE(TILE, T_Q6_K, __VA_ARGS__)                                               \
+        }                                                                                      \
+    } while (0)
+
+/* FN(T, ...) for a type known at compile time */
+#define TYPE_SWITCH(FN, type, ...)                                                             \
+    do {                                                                                       \
+        switch (type) {                                                                        \
+        case T_Q8_0: FN(T_Q8_0, __VA_ARGS__); break;                                           \
+        case T_Q4_0: FN(T_Q4_0, __VA_ARGS__); break;                                           \
+        case T_Q4_1: FN(T_Q4_1, __VA_ARGS__); break;                                           \
+        case T_Q5_0: FN(T_Q5_0, __VA_ARGS__); break;                                           \
+        case T_Q5_1: FN(T_Q5_1, __VA_ARGS__); break;                                           \
+        case T_Q4_K: FN(T_Q4_K, __VA_ARGS__); break;                                           \
+        case T_Q6_K: FN(T_Q6_K, __VA_ARGS__); break;                                           \
+        }                                                                                      \
+    } while (0)
+
 /* ---- one weight row against MR activation rows ------------------------------------------- */
 
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
@@ -239,7 +277,8 @@ ALWAYS_INLINE void kq_scales(const int TYPE, const uint8_t *blk, float *dw, floa
         const __m256 d = _mm256_set1_ps(h2f(rd16(blk + 208)));
         for (int i = 0; i < 16; i += 8) {
             __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 192 + i));
-            _mm256_storeu_ps(dw + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), d));
+            __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8));
+            _mm256_storeu_ps(dw + i, _mm256_mul_ps(sc, d));
         }
     }
 }
@@ -337,10 +376,10 @@ static inline __m256i dot256_madd(__m256i u, __m256i s) {
    sub-block loop unrolled (constant shifts) */
 #define ROW_LOOP(STEPB, STEP, DOT)                                                             \
     do {                                                                                       \
-        if (vq_block_elems(TYPE) == QK_K) {                                                    \
+        if (block_elems(TYPE) == QK_K) {                                                    \
             for (int64_t sb = 0; sb < nb / 8; sb++) {                                          \
                 float kdw[16], kcw[8];                                                         \
-                kq_scales(TYPE, wrow + sb * vq_block_bytes(TYPE), kdw, kcw);                   \
+                kq_scales(TYPE, wrow + sb * block_bytes(TYPE), kdw, kcw);                   \
                 _Pragma("GCC unroll 8")                                                        \
                 for (int j = 0; j < 8; j += STEPB)                                             \
                     STEP(DOT, sb * 8 + j, kdw, kcw, acc, acce, cor);                           \
@@ -386,7 +425,7 @@ static inline __m512i q6k_pair512(const uint8_t *blk, int s) {
 ALWAYS_INLINE __m512i decode512(const int TYPE, const uint8_t *wrow, int64_t b, const float *kdw,
                                 const float *kcw, __m512i *ws, float *dw, float *cw,
                                 __m512 *wsc) {
-    const int64_t bb = vq_block_bytes(TYPE);
+    const int64_t bb = block_bytes(TYPE);
     const uint8_t *blk = wrow + block_offset(TYPE, b), *blk1 = blk + bb;
     const int j = (int)(b & 7);                              /* K-quants' sub-block (even) */
     if (TYPE == T_Q8_0 || TYPE == T_Q4_0 || TYPE == T_Q4_1 || TYPE == T_Q5_0 ||
@@ -488,7 +527,7 @@ static inline __m512i dot512_madd(__m512i u, __m512i s) {
         }                                                                                      \
         int64_t b = 0;                                                                         \
         ROW_LOOP(2, TILE_PAIR512, DOT512);                                                     \
-        if (b < nb && vq_block_elems(TYPE) == QK) /* an odd count of 32-element blocks */      \
+        if (b < nb && block_elems(TYPE) == QK) /* an odd count of 32-element blocks */      \
             TILE_BLOCK256(DOT256, b, (const float *)0, (const float *)0, acc2, acce2, cor);    \
         for (int r = 0; r < MR; r++)                                                           \
             out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acce[r])) +                    \
@@ -526,6 +565,168 @@ ALWAYS_INLINE void tile_madd(const int TYPE, const int MR, const uint8_t *wrow, 
 
 #endif /* AVX512 / AVX2 */
 
+/* ---- many activation rows: tiles of 16 weight columns, int16 products --------------------- */
+
+/* From TILE_MIN_ROWS activation rows on, 16 columns of a weight at a time are decoded once per
+   TILE_KB blocks into tiles that interleave them, and each row multiplies a tile with vpmaddwd
+   against its two digits joined into one int16, X = 254 q + e (|X| <= 32385; x ~ ed * X, as
+   dx = 254 ed up to ed's rounding), so one integer product carries both digits:
+       tile.w[g][h] int32 lane c = the int16 pair (w_c'[2g], w_c'[2g + 1]), c' = 8 h + c
+       madd(tile.w[g][h], broadcast(X[2g], X[2g + 1])) lane c = w_c'[2g] X[2g] + w_c'[2g + 1] X[2g + 1]
+   summed over the 16 pairs g: lane c = dot(w_c', X) (|w| <= 128: |dot| < 2^31). The block then
+   adds (d_c' * ed) * dot + m_c' * sx to column c' (Q6_K: d for pairs 0..7, d_hi for 8..15; m is
+   the offset / min coefficient cw). Columns are lanes: no row sums across lanes, and each
+   weight load serves 4 rows, each activation broadcast 16 columns. */
+#define TILE_MIN_ROWS 4
+#define TILE_COLS 16
+#define TILE_KB 16              /* blocks per tile pass: 19 KiB of tiles */
+#define TILE_RC 64              /* activation rows per pass (their accumulators stay in L1) */
+
+typedef struct {
+    __m256i w[16][2];
+    float d[16], d_hi[16], m[16];
+} tile_block;
+
+/* 8x8 int32 transpose: r[c] lane p -> r[p] lane c */
+static inline void transpose8x8(__m256i *r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {     /* t[i] = [r_i0 r_j0 r_i1 r_j1 | r_i4 r_j4 r_i5 r_j5] */
+        t[i] = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[i]), _mm256_castsi256_ps(r[i + 1]));
+        t[i + 1] = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[i]), _mm256_castsi256_ps(r[i + 1]));
+    }
+    for (int i = 0; i < 8; i += 4) {     /* u[i + p] = lane p (low half), p + 4 (high half) */
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int p = 0; p < 4; p++) {
+        r[p] = _mm256_castps_si256(_mm256_permute2f128_ps(u[p], u[p + 4], 0x20));
+        r[p + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[p], u[p + 4], 0x31));
+    }
+}
+
+/* blocks [b0, b0 + nblk) of ncols (<= 16) weight rows rb bytes apart as tiles (missing columns
+   zero); K-quants: b0 and nblk are multiples of 8 */
+ALWAYS_INLINE void decode_tiles(const int TYPE, const uint8_t *w, int64_t rb, int ncols,
+                                int64_t b0, int nblk, tile_block *t) {
+    float kdw[TILE_COLS][16], kcw[TILE_COLS][8];
+    for (int i = 0; i < nblk; i++) {
+        const int64_t b = b0 + i;
+        __m256i pairs[4][8];            /* [pairs 0..7 / 8..15][columns 0..7 / 8..15][column] */
+        for (int c = 0; c < TILE_COLS; c++) {
+            const uint8_t *wrow = w + c * rb;
+            __m256i v = _mm256_setzero_si256(), ws = v;
+            __m256 wsc = _mm256_setzero_ps();
+            float dw = 0.0f, cw = 0.0f, dh = 0.0f;
+            if (c < ncols) {
+                if (block_elems(TYPE) == QK_K && (b & 7) == 0)
+                    kq_scales(TYPE, wrow + block_offset(TYPE, b), kdw[c], kcw[c]);
+                v = decode256(TYPE, wrow, b, kdw[c], kcw[c], &ws, &dw, &cw, &wsc);
+                if (TYPE == T_Q6_K) {
+                    dw = kdw[c][2 * (b & 7)];
+                    dh = kdw[c][2 * (b & 7) + 1];
+                }
+            }
+            const __m256i q = is_signed(TYPE) ? ws : v;
+            const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+            pairs[c >> 3][c & 7] = is_signed(TYPE) ? _mm256_cvtepi8_epi16(q0)
+                                                   : _mm256_cvtepu8_epi16(q0);
+            pairs[2 + (c >> 3)][c & 7] = is_signed(TYPE) ? _mm256_cvtepi8_epi16(q1)
+                                                         : _mm256_cvtepu8_epi16(q1);
+            t[i].d[c] = dw;
+            t[i].d_hi[c] = TYPE == T_Q6_K ? dh : dw;
+            t[i].m[c] = has_sum_term(TYPE) ? cw : 0.0f;
+        }
+        for (int j = 0; j < 4; j++) {   /* j: pairs 8 (j >> 1) .., columns 8 (j & 1) .. */
+            transpose8x8(pairs[j]);
+            for (int p = 0; p < 8; p++) t[i].w[8 * (j >> 1) + p][j & 1] = pairs[j][p];
+        }
+    }
+}
+
+/* MR activation rows against nblk tiles: x[r] the row's X from the tiles' first block on, ed[r]
+   and sx[r] its scales and sums from that block on; acc[r] (16 floats, one per column) gains
+   the products */
+ALWAYS_INLINE void tile_rows(const int TYPE, const int MR, const tile_block *t, int nblk,
+                             const int16_t **x, const float **ed, const float **sx,
+                             float (*acc)[TILE_COLS]) {
+    for (int i = 0; i < nblk; i++) {
+        for (int half = 0; half < (TYPE == T_Q6_K ? 2 : 1); half++) {
+            const int g0 = TYPE == T_Q6_K ? 8 * half : 0, g1 = TYPE == T_Q6_K ? g0 + 8 : 16;
+            __m256i s[4][2];
+            for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+            for (int g = g0; g < g1; g++) {
+                __m256i w0 = _mm256_load_si256(&t[i].w[g][0]);
+                __m256i w1 = _mm256_load_si256(&t[i].w[g][1]);
+                __asm__("" : "+x"(w0), "+x"(w1));       /* loaded once, not once per row */
+                for (int r = 0; r < MR; r++) {
+                    int32_t pair;
+                    memcpy(&pair, x[r] + i * QK + 2 * g, 4);
+                    const __m256i xb = _mm256_set1_epi32(pair);
+                    s[r][0] = _mm256_add_epi32(_mm256_madd_epi16(w0, xb), s[r][0]);
+                    s[r][1] = _mm256_add_epi32(_mm256_madd_epi16(w1, xb), s[r][1]);
+                    __asm__("" : "+x"(s[r][0]), "+x"(s[r][1]));   /* summed in this order */
+                }
+            }
+            const float *dp = half ? t[i].d_hi : t[i].d;
+            const __m256 d0 = _mm256_load_ps(dp), d1 = _mm256_load_ps(dp + 8);
+            for (int r = 0; r < MR; r++) {
+                const __m256 e = _mm256_broadcast_ss(ed[r] + i);
+                __m256 f0 = _mm256_loadu_ps(acc[r]), f1 = _mm256_loadu_ps(acc[r] + 8);
+                f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(d0, e), f0);
+                f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(d1, e), f1);
+                if (has_sum_term(TYPE)) {
+                    const __m256 sb = _mm256_broadcast_ss(sx[r] + i);
+                    f0 = _mm256_fmadd_ps(_mm256_load_ps(t[i].m), sb, f0);
+                    f1 = _mm256_fmadd_ps(_mm256_load_ps(t[i].m + 8), sb, f1);
+                }
+                _mm256_storeu_ps(acc[r], f0);
+                _mm256_storeu_ps(acc[r] + 8, f1);
+            }
+        }
+    }
+}
+
+/* the columns [j0, j0 + 16) (or fewer, to j1) of one weight, all rows, tiled; x16 [m, k],
+   ed and sx [m, k / 32]; y, bias and residual as columns_madd */
+static void columns_tiled(int type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k,
+                          const int16_t *x16, const float *xed, const float *xs, int64_t m,
+                          const float *bias, const float *residual, float *y, int64_t ldy) {
+    const int64_t nb = k / QK, rb = k / block_elems(type) * block_bytes(type);
+    const int ncols = (int)(j1 - j0);
+    tile_block t[TILE_KB] __attribute__((aligned(32)));
+    float acc[TILE_RC][TILE_COLS];
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_RC) {
+        const int rc = m - r0 < TILE_RC ? (int)(m - r0) : TILE_RC;
+        memset(acc, 0, sizeof(float) * TILE_COLS * (size_t)rc);
+        for (int64_t b0 = 0; b0 < nb; b0 += TILE_KB) {
+            const int nblk = nb - b0 < TILE_KB ? (int)(nb - b0) : TILE_KB;
+            TYPE_SWITCH(decode_tiles, type, w + j0 * rb, rb, ncols, b0, nblk, t);
+            for (int rr = 0; rr < rc; rr += 4) {
+                const int mr = rc - rr < 4 ? rc - rr : 4;
+                const int16_t *xp[4];
+                const float *edp[4], *sxp[4];
+                for (int r = 0; r < mr; r++) {
+                    const int64_t row = r0 + rr + r;
+                    xp[r] = x16 + row * k + b0 * QK;
+                    edp[r] = xed + row * nb + b0;
+                    sxp[r] = xs + row * nb + b0;
+                }
+                DISPATCH(tile_rows, type, mr, t, nblk, xp, edp, sxp, acc + rr);
+            }
+        }
+        for (int r = 0; r < rc; r++)
+            for (int c = 0; c < ncols; c++) {
+                float v = acc[r][c];
+                if (bias) v += bias[j0 + c];
+                if (residual) v += residual[(r0 + r) * ldy + j0 + c];
+                y[(r0 + r) * ldy + j0 + c] = v;
+            }
+    }
+}
+
 #else /* generic */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -553,8 +754,10 @@ ALWAYS_INLINE void decode32(const int TYPE, const uint8_t *wrow, int64_t b, int8
         const float d = h2f(rd16(blk + 208));
         *dw = d * (float)(int8_t)blk[192 + 2 * s];
         *dw1 = d * (float)(int8_t)blk[193 + 2 * s];
-        for (int i = 0; i < QK; i++)
-            w[i] = (int8_t)((((ql[i] >> (4 * (g >> 1))) & 15) | ((qh[i] >> (2 * g)) & 3) << 4) - 32);
+        for (int i = 0; i < QK; i++) {
+            const int lo = (ql[i] >> (4 * (g >> 1))) & 15, hi = (qh[i] >> (2 * g)) & 3;
+            w[i] = (int8_t)((lo | hi << 4) - 32);
+        }
     } else { /* Q4_0, Q4_1, Q5_0, Q5_1: [d][m][qh] qs */
         const int has_m = TYPE == T_Q4_1 || TYPE == T_Q5_1;
         const int five = TYPE == T_Q5_0 || TYPE == T_Q5_1;
@@ -599,24 +802,6 @@ ALWAYS_INLINE void tile_madd(const int TYPE, const int MR, const uint8_t *wrow, 
 
 #endif
 
-/* the tile for a (type, rows) pair known at compile time */
-#define CASE_TYPE(TILE, T, ...)                                                                \
-    case T * 8 + 1: TILE(T, 1, __VA_ARGS__); break;                                            \
-    case T * 8 + 2: TILE(T, 2, __VA_ARGS__); break;                                            \
-    case T * 8 + 3: TILE(T, 3, __VA_ARGS__); break;                                            \
-    case T * 8 + 4: TILE(T, 4, __VA_ARGS__); break;
-#define DISPATCH(TILE, type, mr, ...)                                                          \
-    do {                                                                                       \
-        switch ((type) * 8 + (mr)) {                                                           \
-            CASE_TYPE(TILE, T_Q8_0, __VA_ARGS__)                                               \
-            CASE_TYPE(TILE, T_Q4_0, __VA_ARGS__)                                               \
-            CASE_TYPE(TILE, T_Q4_1, __VA_ARGS__)                                               \
-            CASE_TYPE(TILE, T_Q5_0, __VA_ARGS__)                                               \
-            CASE_TYPE(TILE, T_Q5_1, __VA_ARGS__)                                               \
-            CASE_TYPE(TILE, T_Q4_K, __VA_ARGS__)                                               \
-            CASE_TYPE(TILE, T_Q6_K, __VA_ARGS__)                                               \
-        }                                                                                      \
-    } while (0)
 
 /* the columns [j0, j1) of one weight, all rows; y, bias and residual start at the weight's
    first column, rows ldy apart */
@@ -651,7 +836,7 @@ ALWAYS_INLINE void tile_madd(const int TYPE, const int MR, const uint8_t *wrow, 
         float *y, int64_t ldy
 
 static void columns_madd(COLUMNS_ARGS) {
-    const int64_t nb = k / QK, rb = k / vq_block_elems(type) * vq_block_bytes(type);
+    const int64_t nb = k / QK, rb = k / block_elems(type) * block_bytes(type);
     COLUMNS_BODY(tile_madd)
 }
 
@@ -659,7 +844,7 @@ static void columns_madd(COLUMNS_ARGS) {
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
 static void columns_vnni(COLUMNS_ARGS) {
-    const int64_t nb = k / QK, rb = k / vq_block_elems(type) * vq_block_bytes(type);
+    const int64_t nb = k / QK, rb = k / block_elems(type) * block_bytes(type);
     COLUMNS_BODY(tile_vnni)
 }
 #pragma GCC pop_options
@@ -678,34 +863,48 @@ int vq_uses_vnni(void) {
 static int parts_ok(int nparts, const int *types, const int64_t *ns, int64_t k) {
     if (nparts < 1 || nparts > MAX_PARTS || k < 0) return 0;
     for (int p = 0; p < nparts; p++) {
-        const int elems = vq_block_elems(types[p]);
+        const int elems = block_elems(types[p]);
         if (elems == 0 || k % elems || ns[p] < 0) return 0;
     }
     return 1;
 }
 
 /* y [m, sum ns] = x @ [W_0; W_1; ...]^T on already quantized activations (vq_quantize_rows):
-   xq holds q [m, k] then e [m, k], xd holds d [m, k / 32] then ed [m, k / 32]. Every weight's
-   columns in chunks of 8 (whole cache lines of y per thread, mostly), all in one parallel loop */
+   xq holds q [m, k] then e [m, k], xd holds d [m, k / 32] then ed [m, k / 32]; x16 [m, k] their
+   joined digits for the tiled kernel, or NULL. Every weight's columns in chunks of 8 (whole
+   cache lines of y per thread, mostly; 16 tiled), all in one parallel loop */
 static void gemm_parts_q(int nparts, const int *types, const uint8_t *const *ws,
                          const int64_t *ns, int64_t k, const int8_t *xq, const float *xd,
-                         const float *xs, int64_t m, const float *bias, const float *residual,
-                         float *y) {
+                         const float *xs, const int16_t *x16, int64_t m, const float *bias,
+                         const float *residual, float *y) {
     int64_t first[MAX_PARTS + 1], col[MAX_PARTS + 1];    /* first chunk, first column */
+#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
+    const int64_t chunk = x16 ? TILE_COLS : 8;
+#else
+    const int64_t chunk = 8;
+#endif
     first[0] = col[0] = 0;
     for (int p = 0; p < nparts; p++) {
-        first[p + 1] = first[p] + (ns[p] + 7) / 8;
+        first[p + 1] = first[p] + (ns[p] + chunk - 1) / chunk;
         col[p + 1] = col[p] + ns[p];
     }
     const int64_t ldy = col[nparts];
     const int vnni = vq_uses_vnni();
+    (void)x16;                                      /* generic: never built */
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < first[nparts]; c++) {
         int p = 0;
         while (c >= first[p + 1]) p++;
-        const int64_t j0 = (c - first[p]) * 8, j1 = j0 + 8 < ns[p] ? j0 + 8 : ns[p];
+        const int64_t j0 = (c - first[p]) * chunk, j1 = j0 + chunk < ns[p] ? j0 + chunk : ns[p];
         const float *bp = bias ? bias + col[p] : NULL;
         const float *rp = residual ? residual + col[p] : NULL;
+#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
+        if (x16) {
+            columns_tiled(types[p], ws[p], j0, j1, k, x16, xd + m * (k / QK), xs, m, bp, rp,
+                          y + col[p], ldy);
+            continue;
+        }
+#endif
 #if defined(VTOK_ISA_AVX512)
         if (vnni) {
             columns_vnni(types[p], ws[p], j0, j1, k, xq, xd, xs, m, bp, rp, y + col[p], ldy);
@@ -715,14 +914,6 @@ static void gemm_parts_q(int nparts, const int *types, const uint8_t *const *ws,
         (void)vnni;
         columns_madd(types[p], ws[p], j0, j1, k, xq, xd, xs, m, bp, rp, y + col[p], ldy);
     }
-}
-
-/* one weight on already quantized activations (see gemm_parts_q) */
-void vq_gemm_q(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-               const float *xd, const float *xs, int64_t m, const float *bias,
-               const float *residual, float *y) {
-    if (!parts_ok(1, &type, &n, k)) return;
-    gemm_parts_q(1, &type, &w, &n, k, xq, xd, xs, m, bias, residual, y);
 }
 
 /* y [m, N] = x [m, k] @ [W_0; W_1; ...]^T (+ bias [N]) (+ residual [m, N]), N = sum ns: weight
@@ -746,7 +937,15 @@ int vq_gemm_parts(int nparts, const int *types, const uint8_t *const *ws, const 
     }
     float *xs = xd + 2 * m * nb;
     vq_quantize_rows(x, m, k, xq, xq + m * k, xd, xd + m * nb, xs);
-    gemm_parts_q(nparts, types, ws, ns, k, xq, xd, xs, m, bias, residual, y);
+    int16_t *x16 = NULL;
+#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
+    if (m >= TILE_MIN_ROWS && (x16 = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k)))) {
+        for (int64_t i = 0; i < m * k; i++)
+            x16[i] = (int16_t)(254 * xq[i] + xq[m * k + i]);
+    }
+#endif
+    gemm_parts_q(nparts, types, ws, ns, k, xq, xd, xs, x16, m, bias, residual, y);
+    free(x16);
     free(xq);
     free(xd);
     return 0;

@@ -35,8 +35,8 @@ class QuantWeight:
 
 def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
     """HF weight name -> QuantWeight for every GEMM weight of a llama GGUF in a type the kernels
-    cover (quant_kernels.BLOCK_BYTES; Q and K rows un-permuted as gguf_loader does for float weights); types the kernels do not
-    cover are left out, with one log line."""
+    cover (quant_kernels.BLOCK_BYTES; Q and K rows un-permuted as gguf_loader does for float
+    weights); other types are left out, with one log line."""
     import gguf
 
     from vllm.model_executor import gguf_loader as gl
@@ -121,7 +121,8 @@ class QuantLinear(nn.Module):
         self.blocks = nn.ParameterList(
             nn.Parameter(torch.cat([w.blocks for w in run]) if len(run) > 1
                          else run[0].blocks.contiguous(), requires_grad=False) for run in runs)
-        self._parts = list(zip(self.blocks, self.qtypes))
+        self._parts = quant_kernels.Parts(list(zip(self.blocks, self.qtypes)),
+                                          self.in_features)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
 
@@ -130,8 +131,7 @@ class QuantLinear(nn.Module):
                 f"type={'+'.join(quant_kernels.TYPE_NAMES[t] for t in self.qtypes)}")
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if len(self._parts) == 1:
-            blocks, qtype = self._parts[0]
-            return quant_kernels.gemm(x, blocks, qtype, self.out_features, self.in_features,
-                                      self.bias, residual)
-        return quant_kernels.gemm_parts(x, self._parts, self.in_features, self.bias, residual)
+        if len(self.qtypes) == 1:
+            return quant_kernels.gemm(x, self._parts.tensors[0], self.qtypes[0],
+                                      self.out_features, self.in_features, self.bias, residual)
+        return quant_kernels.gemm_parts(x, self._parts, self.bias, residual)
