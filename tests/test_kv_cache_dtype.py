@@ -1,8 +1,9 @@
 """--kv-cache-dtype fp8 (CPU): quantized writes equal torch's own fp8 cast, every C variant this
 CPU runs widens each of the 256 bytes exactly as torch does, attention over fp8 K/V on every C
-variant (and the torch path) matches a float64 reference of the dequantized values, relocation moves the bytes exactly, and the engine end to end: every policy
-and reclamation mode token-identical on the same fp8 config, 4x the blocks of float32, greedy
-tokens close to the float32 cache's."""
+variant (and the torch path) matches a float64 reference of the dequantized values, relocation
+moves the bytes exactly, and the engine end to end: every policy and reclamation mode
+token-identical on the same fp8 config, 4x the blocks of float32, greedy tokens close to the
+float32 cache's."""
 import numpy as np
 import pytest
 import torch
