@@ -5,6 +5,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels on CPU run interpreted; the flag is read when a kernel module is imported, so it
+# is set here, before any test module (tests/gpu's import them at the top) is collected
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 VOCAB = 512
