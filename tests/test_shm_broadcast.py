@@ -22,7 +22,9 @@ MESSAGES = [("execute_step", (np.arange(300, dtype=np.int64),)), None, {"k": [1,
 
 
 def peer(rank: int, port: int, conn) -> None:
-    tp = TPGroup(rank, 3, port=port, timeout_s=120, shm_broadcast_bytes=CAPACITY)
+    parent = os.getppid()                   # no wait outlives the test process
+    tp = TPGroup(rank, 3, port=port, timeout_s=120, shm_broadcast_bytes=CAPACITY,
+                 peer_alive=lambda: os.getppid() == parent)
     try:
         got = [tp.broadcast_object() for _ in MESSAGES]
         conn.send((got, tp.shm_bcast.calls))
@@ -65,7 +67,8 @@ def test_every_rank_gets_rank0s_objects_and_the_segment_goes_at_shutdown():
 
 def _reader(name: str, gone, conn) -> None:
     b = ShmBroadcast(1, 2, 1024, name, timeout_s=0.2)     # a reader ignores the timeout
-    b.seg.peer_alive = lambda: not gone.is_set()
+    parent = os.getppid()
+    b.seg.peer_alive = lambda: not gone.is_set() and os.getppid() == parent
     conn.send("ready")
     first = b.recv()[1]
     second = b.recv()[1]

@@ -51,8 +51,10 @@ def gather_calls(tp: TPGroup):
 
 
 def group(rank: int, n: int, port: int = 0, connect: bool = True) -> TPGroup:
+    parent = os.getppid()                   # a spawned rank's wait ends with the test process
     return TPGroup(rank, n, port=port, connect=connect, timeout_s=120,
-                   shm_gather_floats=MAX_ROWS * shard(max(v for _, v in CASES), n))
+                   shm_gather_floats=MAX_ROWS * shard(max(v for _, v in CASES), n),
+                   peer_alive=(lambda: os.getppid() == parent) if rank else None)
 
 
 def peer(rank: int, n: int, port: int) -> None:
