@@ -54,10 +54,18 @@ def reference(x: np.ndarray, blocks: np.ndarray, qtype: int):
     return terms.sum(-1), np.abs(terms).sum(-1)
 
 
-def test_activation_quantization_matches_the_kernel():
-    lib = quant_kernels.library("generic")
-    if lib is None:
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request):
+    if request.param not in cpu_kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot run {request.param}")
+    if quant_kernels.library(request.param) is None:
         pytest.skip("no C compiler")
+    return request.param
+
+
+def test_activation_quantization_matches_the_kernel(isa):
+    """Every build (the x86 ones quantize 8 lanes at a time) gives numpy's bits."""
+    lib = quant_kernels.library(isa)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 96)).astype(np.float32) * 3
     x[1, :32] = 0                           # an all-zero block: scale 0
@@ -73,13 +81,6 @@ def test_activation_quantization_matches_the_kernel():
             ed.repeat(32, 1) * 0.5 * (1 + 1e-5)).all()
 
 
-@pytest.fixture(params=cpu_kernels.ISAS)
-def isa(request):
-    if request.param not in cpu_kernels.runnable_isas():
-        pytest.skip(f"this CPU cannot run {request.param}")
-    if quant_kernels.library(request.param) is None:
-        pytest.skip("no C compiler")
-    return request.param
 
 
 @quant_built
@@ -93,7 +94,7 @@ def test_quant_gemm_matches_float64_block_math(isa, qtype, k):
     w[3] += 0.3                             # rows with an offset: Q4_1's min term matters
     blocks = quantize_weight(w, qtype)
     tblocks = torch.from_numpy(blocks)
-    for m in (1, 3, 17, 33):
+    for m in (1, 3, 17, 33, 70):            # 4+ rows: tiles; 70: two passes of 64 rows
         x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
         x[0, :BLOCK] = 0.0                  # a zero block
         bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
@@ -244,3 +245,58 @@ def test_gemm_rejects_bad_shapes_in_c():
                        y.ctypes.data) == 0
     assert lib.vq_gemm(13, w.ctypes.data, 4, 256, x.ctypes.data, 1, None, None,
                        y.ctypes.data) == -1                     # Q5_K: not covered
+
+
+# ---- Q4_0 / Q4_1 / Q8_0 repacked (16 columns interleaved; the x86 builds) --------------------
+
+@quant_built
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0, Q4_1])
+def test_repacked_gemm_matches_float64_block_math(isa, qtype):
+    if not quant_kernels.packs(qtype, isa):
+        pytest.skip(f"the {isa} build multiplies GGUF blocks only")
+    rng = np.random.default_rng(qtype)
+    n = 37                                  # three column groups, the last one 5 wide
+    for k in (32, 576):
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        w[3] += 0.3
+        blocks = quantize_weight(w, qtype)
+        packed = quant_kernels.repack(torch.from_numpy(blocks), qtype, isa=isa)
+        assert packed.shape == (48, blocks.shape[1])
+        for m in (1, 2, 5, 8, 9, 70):      # records decoded per row (< 8) or to tiles
+            x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+            x[0, :BLOCK] = 0.0
+            y = quant_kernels.gemm(torch.from_numpy(x), packed, qtype | quant_kernels.PACKED,
+                                   n, k, isa=isa).double()
+            ref, scale = reference(x, blocks, qtype)
+            err = np.abs(y.numpy() - ref)
+            assert (err <= 1e-5 * scale + 1e-6).all(), (isa, k, m, float((err / scale).max()))
+
+
+@quant_built
+def test_gemm_parts_mixes_repacked_and_block_weights(isa):
+    """A fused GEMM of a repacked Q4_1 part, a Q6_K part and a repacked Q8_0 part (bias,
+    residual): exactly each weight's own GEMM side by side, at one row and at many."""
+    if not quant_kernels.packs(Q4_1, isa):
+        pytest.skip(f"the {isa} build multiplies GGUF blocks only")
+    rng = np.random.default_rng(11)
+    k = 512
+    q41 = quantize_weight(rng.standard_normal((24, k)).astype(np.float32) * 0.05, Q4_1)
+    q80 = quantize_weight(rng.standard_normal((7, k)).astype(np.float32) * 0.05, Q8_0)
+    q6k = torch.from_numpy(random_blocks(rng, 13, k, Q6_K))
+    packed = [(quant_kernels.repack(torch.from_numpy(b), t, isa=isa), t | quant_kernels.PACKED,
+               b.shape[0]) for b, t in ((q41, Q4_1), (q80, Q8_0))]
+    parts = quant_kernels.Parts([packed[0], (q6k, Q6_K), packed[1]], k)
+    for m in (1, 9):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        bias = torch.from_numpy(rng.standard_normal(44).astype(np.float32))
+        residual = torch.from_numpy(rng.standard_normal((m, 44)).astype(np.float32))
+        y = quant_kernels.gemm_parts(x, parts, bias, residual, isa=isa)
+        each = torch.cat([quant_kernels.gemm(x, *packed[0][:2], 24, k, isa=isa),
+                          quant_kernels.gemm(x, q6k, Q6_K, 13, k, isa=isa),
+                          quant_kernels.gemm(x, *packed[1][:2], 7, k, isa=isa)], 1)
+        assert torch.equal(y, each + bias + residual)
+
+
+def test_repack_rejects_what_the_build_does_not_repack():
+    with pytest.raises(ValueError, match="Q4_K"):
+        quant_kernels.repack(torch.zeros(16, BLOCK_BYTES[Q4_K], dtype=torch.uint8), Q4_K)

@@ -12,7 +12,7 @@ known) gets the generic variant.
 import ctypes
 import functools
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_
               Q4_K: "Q4_K", Q6_K: "Q6_K"}
 BLOCK = 32              # the activations' block
 MAX_PARTS = 8           # weights per gemm_parts call
+PACKED = 0x100          # qtype flag: the weight is in repack()'s layout
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
@@ -56,6 +57,12 @@ def library(isa: str) -> Optional[ctypes.CDLL]:
     lib.vq_gemm.restype = _int
     lib.vq_gemm_parts.argtypes = [_int, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
     lib.vq_gemm_parts.restype = _int
+    lib.vq_packs.argtypes = [_int]
+    lib.vq_packs.restype = _int
+    lib.vq_packed_bytes.argtypes = [_int, _i64, _i64]
+    lib.vq_packed_bytes.restype = _i64
+    lib.vq_repack.argtypes = [_int, _ptr, _i64, _i64, _ptr]
+    lib.vq_repack.restype = _int
     assert lib.vq_isa().decode() == isa
     assert all(lib.vq_block_bytes(t) == BLOCK_BYTES[t] and lib.vq_block_elems(t) == BLOCK_ELEMS[t]
                for t in BLOCK_BYTES)
@@ -84,6 +91,37 @@ def row_bytes(qtype: int, k: int) -> int:
     return k // BLOCK_ELEMS[qtype] * BLOCK_BYTES[qtype]
 
 
+def packs(qtype: int, isa: Optional[str] = None) -> bool:
+    """Whether the `isa` variant (default the active one) multiplies `qtype` repacked (x86
+    builds: Q4_0, Q4_1, Q8_0); there repack() at load is the faster layout at every batch."""
+    lib = library(isa or active_isa())
+    return lib is not None and bool(lib.vq_packs(qtype))
+
+
+def repack(blocks: torch.Tensor, qtype: int, isa: Optional[str] = None) -> torch.Tensor:
+    """W [N, row_bytes] in `qtype`'s GGML blocks -> the same weight with 16 columns interleaved
+    per 32-element block (quant_kernels.c, "repacked at load"): uint8 [N rounded up to 16,
+    row_bytes], multiplied as qtype | PACKED with the GEMM's n = N."""
+    assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()
+    if not packs(qtype, isa):
+        raise ValueError(f"{TYPE_NAMES.get(qtype, qtype)} weights are not repacked by the "
+                         f"{isa or active_isa()} quant kernels (see packs())")
+    n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK_ELEMS[qtype]
+    assert blocks.shape[1] == row_bytes(qtype, k)
+    lib = library(isa or active_isa())
+    out = torch.empty((n + 15) // 16 * 16, blocks.shape[1], dtype=torch.uint8)
+    assert out.numel() == lib.vq_packed_bytes(qtype, n, k)
+    assert lib.vq_repack(qtype, blocks.data_ptr(), n, k, out.data_ptr()) == 0
+    return out
+
+
+def _check_weight(blocks: torch.Tensor, qtype: int, n: int, k: int):
+    """A weight's bytes: [n, row_bytes] blocks, or repack()'s [n rounded up to 16, row_bytes]."""
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.dim() == 2
+    rows = (n + 15) // 16 * 16 if qtype & PACKED else n
+    assert blocks.shape == (rows, row_bytes(qtype & ~PACKED, k)), (blocks.shape, n, k)
+
+
 def _check_io(x: torch.Tensor, k: int, n: int, bias, residual):
     x = x.contiguous()
     assert x.dtype == torch.float32 and x.shape[1] == k
@@ -103,10 +141,9 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: int,
          bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
          isa: Optional[str] = None) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] (+ bias [N]) (+ residual [M, N]); `blocks` uint8
-    [N, row_bytes(qtype, K)] holds W in `qtype`'s GGML blocks. isa: the variant (default the
-    active one)."""
-    assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
-    assert blocks.shape == (n, row_bytes(qtype, k))
+    [N, row_bytes(qtype, K)] holds W in `qtype`'s GGML blocks (qtype | PACKED: repack()'s
+    layout). isa: the variant (default the active one)."""
+    _check_weight(blocks, qtype, n, k)
     x, residual = _check_io(x, k, n, bias, residual)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     rc = library(isa or active_isa()).vq_gemm(
@@ -117,22 +154,22 @@ def gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: int,
 
 
 class Parts:
-    """Weights for gemm_parts: (blocks uint8 [N_p, row_bytes(qtype_p, K)], qtype_p), up to
-    MAX_PARTS, their outputs side by side (N = sum N_p). The C call's argument arrays are built
-    once, so the tensors must stay in place (the engine never moves its model)."""
+    """Weights for gemm_parts: (blocks uint8 [N_p, row_bytes(qtype_p, K)], qtype_p), or
+    (repack()'s blocks, qtype_p | PACKED, N_p), up to MAX_PARTS, their outputs side by side
+    (N = sum N_p). The C call's argument arrays are built once, so the tensors must stay in place
+    (the engine never moves its model)."""
 
-    def __init__(self, parts: Sequence[Tuple[torch.Tensor, int]], k: int):
+    def __init__(self, parts: Sequence[tuple], k: int):
         assert 1 <= len(parts) <= MAX_PARTS
-        for blocks, qtype in parts:
-            assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
-            assert blocks.dim() == 2 and blocks.shape[1] == row_bytes(qtype, k)
+        ns = [part[2] if len(part) == 3 else part[0].shape[0] for part in parts]
+        for (blocks, qtype, *_), n in zip(parts, ns):
+            _check_weight(blocks, qtype, n, k)
         p = len(parts)
-        self.tensors = [b for b, _ in parts]
-        self.count, self.k = p, k
-        self.n = sum(b.shape[0] for b, _ in parts)
-        self.types = (ctypes.c_int * p)(*(t for _, t in parts))
-        self.ptrs = (ctypes.c_void_p * p)(*(b.data_ptr() for b, _ in parts))
-        self.ns = (ctypes.c_int64 * p)(*(b.shape[0] for b, _ in parts))
+        self.tensors = [part[0] for part in parts]
+        self.count, self.k, self.n = p, k, sum(ns)
+        self.types = (ctypes.c_int * p)(*(part[1] for part in parts))
+        self.ptrs = (ctypes.c_void_p * p)(*(part[0].data_ptr() for part in parts))
+        self.ns = (ctypes.c_int64 * p)(*ns)
 
 
 def gemm_parts(x: torch.Tensor, parts: Parts, bias: Optional[torch.Tensor] = None,

@@ -54,6 +54,7 @@ VTOK_ISA_AVX2 (maddubs/madd), neither: portable C. The x86 variants convert fp16
 #define QK 32
 #define QK_K 256
 #define MAX_PARTS 8
+#define TILE_MIN_ROWS 4         /* activation rows from which x86 builds tile (columns_tiled) */
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
 #if defined(VTOK_ISA_AVX512)
@@ -101,6 +102,17 @@ static inline int64_t block_offset(int type, int64_t b) {
     return block_elems(type) == QK_K ? (b >> 3) * block_bytes(type)
                                         : b * block_bytes(type);
 }
+
+#define VQ_PACKED 0x100         /* type flag: the weight is in vq_repack's layout */
+
+/* 1 when type is repacked and multiplied by these kernels */
+static inline int packable(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0;
+}
+
+static inline int64_t packed_record(int type) { return 16 * (int64_t)block_bytes(type); }
+
+#define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t h;
@@ -153,40 +165,122 @@ static inline void k4_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
+/* dd * sum + de * esum, each product rounded: the volatiles keep GCC from contracting one of
+   them into an fma (-mfma builds would, the generic one not), so every build and numpy agree */
+static inline float block_sum(float dd, int sum, float de, int esum) {
+    volatile float a = dd * (float)sum, b = de * (float)esum;
+    return a + b;
+}
+
+/* one 32-element block xb -> its digits qb, eb, scales *d, *ed and sum *s (see the top of the
+   file); xw, when not NULL, gets X = 254 q + e as int16 */
+static inline void quantize_block(const float *xb, int8_t *qb, int8_t *eb, int16_t *xw,
+                                  float *d, float *ed, float *s) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) {
+        float a = fabsf(xb[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float dd = amax / 127.0f;
+    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    const float de = dd / 254.0f;
+    const float ide = de != 0.0f ? 1.0f / de : 0.0f;
+    int sum = 0, esum = 0;
+    for (int i = 0; i < QK; i++) {
+        float v = nearbyintf(xb[i] * id);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        float ev = nearbyintf(fmaf(-dd, v, xb[i]) * ide);
+        ev = ev > 127.0f ? 127.0f : (ev < -127.0f ? -127.0f : ev);
+        qb[i] = (int8_t)v;
+        eb[i] = (int8_t)ev;
+        if (xw) xw[i] = (int16_t)(254 * (int)v + (int)ev);
+        sum += (int)v;
+        esum += (int)ev;
+    }
+    *d = dd;
+    *ed = de;
+    *s = block_sum(dd, sum, de, esum);
+}
+
+#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
+/* quantize_block 8 lanes at a time, bit for bit: the same products, rint (round half to even)
+   and single-rounding fma */
+static inline void quantize_block8(const float *xb, int8_t *qb, int8_t *eb, int16_t *xw,
+                                   float *d, float *ed, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f);
+    const __m256 nlim = _mm256_set1_ps(-127.0f);
+    __m256 v[4], a = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(xb + 8 * j);
+        a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float dd = _mm_cvtss_f32(h) / 127.0f;
+    const float de = dd / 254.0f;
+    const __m256 id = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+    const __m256 ide = _mm256_set1_ps(de != 0.0f ? 1.0f / de : 0.0f);
+    const __m256 ndd = _mm256_set1_ps(-dd);
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256i qi[4], ei[4], sq = _mm256_setzero_si256(), se = sq;
+    for (int j = 0; j < 4; j++) {
+        __m256 q = _mm256_round_ps(_mm256_mul_ps(v[j], id), rnd);
+        q = _mm256_min_ps(_mm256_max_ps(q, nlim), lim);
+        __m256 e = _mm256_round_ps(_mm256_mul_ps(_mm256_fmadd_ps(ndd, q, v[j]), ide), rnd);
+        e = _mm256_min_ps(_mm256_max_ps(e, nlim), lim);
+        qi[j] = _mm256_cvtps_epi32(q);
+        ei[j] = _mm256_cvtps_epi32(e);
+        sq = _mm256_add_epi32(sq, qi[j]);
+        se = _mm256_add_epi32(se, ei[j]);
+    }
+    /* int32 x 4 -> int8 x 32: the in-lane packs leave 4-byte groups in the order
+       0 2 4 6 1 3 5 7 (group i = elements 4i..4i+3); the permute puts them back */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                    _mm256_packs_epi32(qi[2], qi[3]));
+    __m256i e8 = _mm256_packs_epi16(_mm256_packs_epi32(ei[0], ei[1]),
+                                    _mm256_packs_epi32(ei[2], ei[3]));
+    _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(q8, order));
+    _mm256_storeu_si256((__m256i *)eb, _mm256_permutevar8x32_epi32(e8, order));
+    if (xw) {   /* X = 254 q + e; the in-lane pack of 16 int32 swaps the middle 8 bytes' halves */
+        const __m256i c254 = _mm256_set1_epi32(254);
+        for (int j = 0; j < 4; j += 2) {
+            __m256i lo = _mm256_add_epi32(_mm256_mullo_epi32(qi[j], c254), ei[j]);
+            __m256i hi = _mm256_add_epi32(_mm256_mullo_epi32(qi[j + 1], c254), ei[j + 1]);
+            _mm256_storeu_si256((__m256i *)(xw + 8 * j),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+        }
+    }
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sq), _mm256_extracti128_si256(sq, 1));
+    __m128i te = _mm_add_epi32(_mm256_castsi256_si128(se), _mm256_extracti128_si256(se, 1));
+    t = _mm_hadd_epi32(_mm_hadd_epi32(t, te), _mm_setzero_si128());   /* [sum, esum, 0, 0] */
+    *d = dd;
+    *ed = de;
+    *s = block_sum(dd, _mm_cvtsi128_si32(t), de, _mm_extract_epi32(t, 1));
+}
+#define QUANTIZE_BLOCK quantize_block8
+#else
+#define QUANTIZE_BLOCK quantize_block
+#endif
+
+/* x [m, k] -> q, e int8 [m, k], d, ed, s float [m, k / 32] (see the top of the file), and
+   x16 [m, k] = 254 q + e when x16 is not NULL */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, int8_t *e,
+                          int16_t *x16, float *d, float *ed, float *s) {
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = r * k + b * QK, j = r * nb + b;
+            QUANTIZE_BLOCK(x + i, q + i, e + i, x16 ? x16 + i : NULL, d + j, ed + j, s + j);
+        }
+}
+
 /* x [m, k] -> q, e int8 [m, k], d, ed, s float [m, k / 32] (see the top of the file). */
 void vq_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, int8_t *e, float *d,
                       float *ed, float *s) {
-    const int64_t nb = k / QK;
-#pragma omp parallel for schedule(static) if (m * k >= 65536)
-    for (int64_t r = 0; r < m; r++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * k + b * QK;
-            float amax = 0.0f;
-            for (int i = 0; i < QK; i++) {
-                float a = fabsf(xb[i]);
-                amax = a > amax ? a : amax;
-            }
-            const float dd = amax / 127.0f;
-            const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
-            const float de = dd / 254.0f;
-            const float ide = de != 0.0f ? 1.0f / de : 0.0f;
-            int sum = 0, esum = 0;
-            int8_t *qb = q + r * k + b * QK, *eb = e + r * k + b * QK;
-            for (int i = 0; i < QK; i++) {
-                float v = nearbyintf(xb[i] * id);
-                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-                float ev = nearbyintf(fmaf(-dd, v, xb[i]) * ide);
-                ev = ev > 127.0f ? 127.0f : (ev < -127.0f ? -127.0f : ev);
-                qb[i] = (int8_t)v;
-                eb[i] = (int8_t)ev;
-                sum += (int)v;
-                esum += (int)ev;
-            }
-            d[r * nb + b] = dd;
-            ed[r * nb + b] = de;
-            s[r * nb + b] = dd * (float)sum + de * (float)esum;
-        }
-    }
+    quantize_rows(x, m, k, q, e, NULL, d, ed, s);
 }
 
 /* the tile for a (type, rows) pair known at compile time */
@@ -577,7 +671,6 @@ ALWAYS_INLINE void tile_madd(const int TYPE, const int MR, const uint8_t *wrow, 
    adds (d_c' * ed) * dot + m_c' * sx to column c' (Q6_K: d for pairs 0..7, d_hi for 8..15; m is
    the offset / min coefficient cw). Columns are lanes: no row sums across lanes, and each
    weight load serves 4 rows, each activation broadcast 16 columns. */
-#define TILE_MIN_ROWS 4
 #define TILE_COLS 16
 #define TILE_KB 16              /* blocks per tile pass: 19 KiB of tiles */
 #define TILE_RC 64              /* activation rows per pass (their accumulators stay in L1) */
@@ -645,6 +738,54 @@ ALWAYS_INLINE void decode_tiles(const int TYPE, const uint8_t *w, int64_t rb, in
     }
 }
 
+/* s[r][h] += sum over np (>= 1) pairs g of madd(w[g][h], broadcast(x_r[2g], x_r[2g + 1])) for
+   4 rows. In assembly: GCC, given the intrinsics, reloads w for each row and copies or spills
+   the eight accumulators every step (half the speed); here a step is 2 loads, 4 broadcasts,
+   8 madd and 8 adds with everything in registers */
+static inline void tile_pairs4(const __m256i *w, int np, const int16_t *x0, const int16_t *x1,
+                               const int16_t *x2, const int16_t *x3, __m256i (*s)[2]) {
+    __m256i s00 = s[0][0], s01 = s[0][1], s10 = s[1][0], s11 = s[1][1];
+    __m256i s20 = s[2][0], s21 = s[2][1], s30 = s[3][0], s31 = s[3][1];
+    __m256i w0, w1, xb, p;
+    int64_t off = 0;                    /* bytes into each row's X: 4 per pair */
+    const int64_t end = 4 * (int64_t)np;
+    __asm__("1:\n\t"
+            "vmovdqa (%[w]), %[w0]\n\t"
+            "vmovdqa 32(%[w]), %[w1]\n\t"
+            "vpbroadcastd (%[x0],%[off]), %[xb]\n\t"
+            "vpmaddwd %[xb], %[w0], %[p]\n\t"
+            "vpaddd %[p], %[s00], %[s00]\n\t"
+            "vpmaddwd %[xb], %[w1], %[p]\n\t"
+            "vpaddd %[p], %[s01], %[s01]\n\t"
+            "vpbroadcastd (%[x1],%[off]), %[xb]\n\t"
+            "vpmaddwd %[xb], %[w0], %[p]\n\t"
+            "vpaddd %[p], %[s10], %[s10]\n\t"
+            "vpmaddwd %[xb], %[w1], %[p]\n\t"
+            "vpaddd %[p], %[s11], %[s11]\n\t"
+            "vpbroadcastd (%[x2],%[off]), %[xb]\n\t"
+            "vpmaddwd %[xb], %[w0], %[p]\n\t"
+            "vpaddd %[p], %[s20], %[s20]\n\t"
+            "vpmaddwd %[xb], %[w1], %[p]\n\t"
+            "vpaddd %[p], %[s21], %[s21]\n\t"
+            "vpbroadcastd (%[x3],%[off]), %[xb]\n\t"
+            "vpmaddwd %[xb], %[w0], %[p]\n\t"
+            "vpaddd %[p], %[s30], %[s30]\n\t"
+            "vpmaddwd %[xb], %[w1], %[p]\n\t"
+            "vpaddd %[p], %[s31], %[s31]\n\t"
+            "add $64, %[w]\n\t"
+            "add $4, %[off]\n\t"
+            "cmp %[end], %[off]\n\t"
+            "jne 1b"
+            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
+              [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
+              [w0] "=&x"(w0), [w1] "=&x"(w1), [xb] "=&x"(xb), [p] "=&x"(p), [w] "+r"(w),
+              [off] "+r"(off)
+            : [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [end] "r"(end)
+            : "memory", "cc");
+    s[0][0] = s00, s[0][1] = s01, s[1][0] = s10, s[1][1] = s11;
+    s[2][0] = s20, s[2][1] = s21, s[3][0] = s30, s[3][1] = s31;
+}
+
 /* MR activation rows against nblk tiles: x[r] the row's X from the tiles' first block on, ed[r]
    and sx[r] its scales and sums from that block on; acc[r] (16 floats, one per column) gains
    the products */
@@ -656,18 +797,21 @@ ALWAYS_INLINE void tile_rows(const int TYPE, const int MR, const tile_block *t, 
             const int g0 = TYPE == T_Q6_K ? 8 * half : 0, g1 = TYPE == T_Q6_K ? g0 + 8 : 16;
             __m256i s[4][2];
             for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-            for (int g = g0; g < g1; g++) {
-                __m256i w0 = _mm256_load_si256(&t[i].w[g][0]);
-                __m256i w1 = _mm256_load_si256(&t[i].w[g][1]);
-                __asm__("" : "+x"(w0), "+x"(w1));       /* loaded once, not once per row */
-                for (int r = 0; r < MR; r++) {
-                    int32_t pair;
-                    memcpy(&pair, x[r] + i * QK + 2 * g, 4);
-                    const __m256i xb = _mm256_set1_epi32(pair);
-                    s[r][0] = _mm256_add_epi32(_mm256_madd_epi16(w0, xb), s[r][0]);
-                    s[r][1] = _mm256_add_epi32(_mm256_madd_epi16(w1, xb), s[r][1]);
-                    __asm__("" : "+x"(s[r][0]), "+x"(s[r][1]));   /* summed in this order */
+            if (MR == 4) {
+                tile_pairs4(t[i].w[g0], g1 - g0, x[0] + i * QK + 2 * g0,
+                            x[1] + i * QK + 2 * g0, x[2] + i * QK + 2 * g0,
+                            x[3] + i * QK + 2 * g0, s);
+            } else {
+                for (int g = g0; g < g1; g++) {
+                    const __m256i w0 = _mm256_load_si256(&t[i].w[g][0]);
+                    const __m256i w1 = _mm256_load_si256(&t[i].w[g][1]);
+                    for (int r = 0; r < MR; r++) {
+                        int32_t pair;
+                        memcpy(&pair, x[r] + i * QK + 2 * g, 4);
+                        const __m256i xb = _mm256_set1_epi32(pair);
+                        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xb));
+                        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xb));
+                    }
                 }
             }
             const float *dp = half ? t[i].d_hi : t[i].d;
@@ -689,11 +833,127 @@ ALWAYS_INLINE void tile_rows(const int TYPE, const int MR, const tile_block *t, 
     }
 }
 
-/* the columns [j0, j0 + 16) (or fewer, to j1) of one weight, all rows, tiled; x16 [m, k],
+
+/* ---- Q4_0 / Q4_1 / Q8_0 repacked at load: 16 columns interleaved -------------------------- */
+
+/* A weight repacked by vq_repack is records of 16 columns x one 32-element block, a column
+   group's blocks in order, then the next group (columns past n are zero):
+       Q4_1  fp16 d[16], fp16 m[16], uint8 q[16][16]      320 bytes (16 x 20)
+       Q4_0  fp16 d[16], uint8 q[16][16]                  288 bytes (16 x 18)
+       Q8_0  fp16 d[16], int8 q[16][2][16]                544 bytes (16 x 34)
+   The values of pair g (elements 2g, 2g + 1) are, for columns 0..7, the int16 lanes of one madd
+   against the broadcast pair X[2g], X[2g + 1] (as tile_block.w[g][0]):
+       [c0 e2g, c0 e2g+1, c1 e2g, c1 e2g+1, ..., c7 e2g+1]
+   and likewise for columns 8..15; Q4 keeps the two as the low and high nibbles of q[g]'s 16
+   bytes, Q8_0 as q[g][0] and q[g][1]. A record decodes with 3 or 2 vector ops per pair and its
+   per-column scales are two vector loads: the block math is the tiles' (see above), for one
+   row as for many, with no per-column scalar work. */
+
+/* pair g's values of columns 0..7 (*w0) and 8..15 (*w1) as int16 */
+ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256i *w0,
+                               __m256i *w1) {
+    if (TYPE == T_Q8_0) {
+        const uint8_t *q = rec + 32 + 32 * g;
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+    } else {
+        const uint8_t *q = rec + (TYPE == T_Q4_1 ? 64 : 32) + 16 * g;
+        const __m128i v = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(0x0f);
+        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, m4));
+        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    }
+}
+
+/* MR activation rows against one column group's nb records: x[r], ed[r], sx[r] the row's X,
+   block scales and sums; out[r] the 16 columns' dot products */
+ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec, int64_t nb,
+                               const int16_t **x, const float **ed, const float **sx,
+                               float (*out)[TILE_COLS]) {
+    const int64_t rbytes = packed_record(TYPE);
+    __m256 f[4][2];
+    for (int r = 0; r < MR; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rec += rbytes) {
+        __m256i s[4][2];
+        for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int g = 0; g < 16; g++) {
+            __m256i w0, w1;
+            packed_pair(TYPE, rec, g, &w0, &w1);
+            for (int r = 0; r < MR; r++) {
+                int32_t pair;
+                memcpy(&pair, x[r] + b * QK + 2 * g, 4);
+                const __m256i xb = _mm256_set1_epi32(pair);
+                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xb));
+                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xb));
+            }
+        }
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16)));
+        __m256 m0 = _mm256_setzero_ps(), m1 = m0;
+        if (TYPE == T_Q4_1) {
+            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32)));
+            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 48)));
+        } else if (TYPE == T_Q4_0) {
+            m0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f));
+            m1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
+        }
+        for (int r = 0; r < MR; r++) {
+            const __m256 e = _mm256_broadcast_ss(ed[r] + b);
+            f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(d0, e), f[r][0]);
+            f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(d1, e), f[r][1]);
+            if (TYPE != T_Q8_0) {
+                const __m256 sb = _mm256_broadcast_ss(sx[r] + b);
+                f[r][0] = _mm256_fmadd_ps(m0, sb, f[r][0]);
+                f[r][1] = _mm256_fmadd_ps(m1, sb, f[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(out[r], f[r][0]);
+        _mm256_storeu_ps(out[r] + 8, f[r][1]);
+    }
+}
+
+#define PACKED_SWITCH(FN, type, ...)                                                           \
+    do {                                                                                       \
+        switch (type) {                                                                        \
+        case T_Q8_0: FN(T_Q8_0, __VA_ARGS__); break;                                           \
+        case T_Q4_0: FN(T_Q4_0, __VA_ARGS__); break;                                           \
+        case T_Q4_1: FN(T_Q4_1, __VA_ARGS__); break;                                           \
+        }                                                                                      \
+    } while (0)
+#define PACKED_ROWS(T, MR, ...)                                                                \
+    do {                                                                                       \
+        if ((MR) == 4) packed_rows(T, 4, __VA_ARGS__);                                         \
+        else if ((MR) == 3) packed_rows(T, 3, __VA_ARGS__);                                    \
+        else if ((MR) == 2) packed_rows(T, 2, __VA_ARGS__);                                    \
+        else packed_rows(T, 1, __VA_ARGS__);                                                   \
+    } while (0)
+
+
+/* nblk records of one column group as tiles (tile_rows multiplies them) */
+ALWAYS_INLINE void decode_packed(const int TYPE, const uint8_t *rec, int nblk, tile_block *t) {
+    for (int i = 0; i < nblk; i++, rec += packed_record(TYPE)) {
+        for (int g = 0; g < 16; g++) packed_pair(TYPE, rec, g, &t[i].w[g][0], &t[i].w[g][1]);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16 * h)));
+            __m256 mw = _mm256_setzero_ps();
+            if (TYPE == T_Q4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32 + 16 * h)));
+            if (TYPE == T_Q4_0) mw = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+            _mm256_storeu_ps(t[i].d + 8 * h, d);
+            _mm256_storeu_ps(t[i].d_hi + 8 * h, d);
+            _mm256_storeu_ps(t[i].m + 8 * h, mw);
+        }
+    }
+}
+
+/* the columns [j0, j0 + 16) (or fewer, to j1) of one weight (packed: repacked by vq_repack,
+   j0 % 16 == 0), all rows, tiled; x16 [m, k],
    ed and sx [m, k / 32]; y, bias and residual as columns_madd */
-static void columns_tiled(int type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k,
-                          const int16_t *x16, const float *xed, const float *xs, int64_t m,
-                          const float *bias, const float *residual, float *y, int64_t ldy) {
+static void columns_tiled(int type, int packed, const uint8_t *w, int64_t j0, int64_t j1,
+                          int64_t k, const int16_t *x16, const float *xed, const float *xs,
+                          int64_t m, const float *bias, const float *residual, float *y,
+                          int64_t ldy) {
     const int64_t nb = k / QK, rb = k / block_elems(type) * block_bytes(type);
     const int ncols = (int)(j1 - j0);
     tile_block t[TILE_KB] __attribute__((aligned(32)));
@@ -703,7 +963,11 @@ static void columns_tiled(int type, const uint8_t *w, int64_t j0, int64_t j1, in
         memset(acc, 0, sizeof(float) * TILE_COLS * (size_t)rc);
         for (int64_t b0 = 0; b0 < nb; b0 += TILE_KB) {
             const int nblk = nb - b0 < TILE_KB ? (int)(nb - b0) : TILE_KB;
-            TYPE_SWITCH(decode_tiles, type, w + j0 * rb, rb, ncols, b0, nblk, t);
+            if (packed)
+                PACKED_SWITCH(decode_packed, type, w + (j0 / 16 * nb + b0) * packed_record(type),
+                              nblk, t);
+            else
+                TYPE_SWITCH(decode_tiles, type, w + j0 * rb, rb, ncols, b0, nblk, t);
             for (int rr = 0; rr < rc; rr += 4) {
                 const int mr = rc - rr < 4 ? rc - rr : 4;
                 const int16_t *xp[4];
@@ -723,6 +987,38 @@ static void columns_tiled(int type, const uint8_t *w, int64_t j0, int64_t j1, in
                 if (bias) v += bias[j0 + c];
                 if (residual) v += residual[(r0 + r) * ldy + j0 + c];
                 y[(r0 + r) * ldy + j0 + c] = v;
+            }
+    }
+}
+
+/* columns [j0, j1) (one group: j0 % 16 == 0, j1 - j0 <= 16) of a repacked weight, all rows;
+   y, bias and residual as columns_madd */
+static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k,
+                           const int16_t *x16, const float *xed, const float *xs, int64_t m,
+                           const float *bias, const float *residual, float *y, int64_t ldy) {
+    const int64_t nb = k / QK;
+    const uint8_t *rec = w + j0 / 16 * nb * packed_record(type);
+    if (m >= PACKED_TILE_ROWS) {
+        columns_tiled(type, 1, w, j0, j1, k, x16, xed, xs, m, bias, residual, y, ldy);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int mr = m - r0 < 4 ? (int)(m - r0) : 4;
+        const int16_t *xp[4];
+        const float *edp[4], *sxp[4];
+        float out[4][TILE_COLS];
+        for (int r = 0; r < mr; r++) {
+            xp[r] = x16 + (r0 + r) * k;
+            edp[r] = xed + (r0 + r) * nb;
+            sxp[r] = xs + (r0 + r) * nb;
+        }
+        PACKED_SWITCH(PACKED_ROWS, type, mr, rec, nb, xp, edp, sxp, out);
+        for (int r = 0; r < mr; r++)
+            for (int64_t j = j0; j < j1; j++) {
+                float v = out[r][j - j0];
+                if (bias) v += bias[j];
+                if (residual) v += residual[(r0 + r) * ldy + j];
+                y[(r0 + r) * ldy + j] = v;
             }
     }
 }
@@ -859,61 +1155,123 @@ int vq_uses_vnni(void) {
 #endif
 }
 
+/* 1 when this build multiplies `type` repacked by vq_repack (Q4_0, Q4_1, Q8_0 on x86) */
+int vq_packs(int type) {
+#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
+    return packable(type);
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* bytes of a weight [n, k] of `type` repacked (columns padded to a multiple of 16) */
+int64_t vq_packed_bytes(int type, int64_t n, int64_t k) {
+    return (n + 15) / 16 * (k / QK) * packed_record(type);
+}
+
+/* W [n, k] in `type`'s GGML blocks -> dst (vq_packed_bytes) in the layout the packed kernels
+   read (see "repacked at load" above). Returns 0, or -1 when this build does not multiply
+   `type` repacked or k is not a multiple of 32 */
+int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
+    if (!vq_packs(type) || k % QK || n < 0) return -1;
+    const int64_t nb = k / QK, bb = block_bytes(type), rb = nb * bb;
+    const int qoff = type == T_Q4_1 ? 64 : 32;           /* the record's quants */
+    memset(dst, 0, (size_t)vq_packed_bytes(type, n, k));
+    for (int64_t j = 0; j < n; j++) {
+        const int c = (int)(j % 16), half = c >> 3, lane = 2 * (c & 7);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + j * rb + b * bb;
+            uint8_t *rec = dst + (j / 16 * nb + b) * packed_record(type);
+            memcpy(rec + 2 * c, blk, 2);                                    /* d */
+            if (type == T_Q4_1) memcpy(rec + 32 + 2 * c, blk + 2, 2);       /* m */
+            for (int e = 0; e < QK; e++) {
+                const int g = e >> 1, i = lane + (e & 1);
+                if (type == T_Q8_0) {
+                    rec[qoff + 32 * g + 16 * half + i] = blk[2 + e];
+                } else {
+                    const uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
+                    const int v = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
+                    rec[qoff + 16 * g + i] |= (uint8_t)(v << (4 * half));
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* whether the weights (types[p], ns[p] rows of k) can be multiplied */
 static int parts_ok(int nparts, const int *types, const int64_t *ns, int64_t k) {
     if (nparts < 1 || nparts > MAX_PARTS || k < 0) return 0;
     for (int p = 0; p < nparts; p++) {
-        const int elems = block_elems(types[p]);
+        const int type = types[p] & ~VQ_PACKED, elems = block_elems(type);
         if (elems == 0 || k % elems || ns[p] < 0) return 0;
+        if ((types[p] & VQ_PACKED) && !vq_packs(type)) return 0;
     }
     return 1;
 }
 
 /* y [m, sum ns] = x @ [W_0; W_1; ...]^T on already quantized activations (vq_quantize_rows):
    xq holds q [m, k] then e [m, k], xd holds d [m, k / 32] then ed [m, k / 32]; x16 [m, k] their
-   joined digits for the tiled kernel, or NULL. Every weight's columns in chunks of 8 (whole
-   cache lines of y per thread, mostly; 16 tiled), all in one parallel loop */
+   joined digits (built when a weight is repacked or m >= TILE_MIN_ROWS, else NULL). Every
+   weight's columns in chunks (8, whole cache lines of y per thread, mostly; 16 for the tiled
+   and repacked kernels), all in one parallel loop */
 static void gemm_parts_q(int nparts, const int *types, const uint8_t *const *ws,
                          const int64_t *ns, int64_t k, const int8_t *xq, const float *xd,
                          const float *xs, const int16_t *x16, int64_t m, const float *bias,
                          const float *residual, float *y) {
-    int64_t first[MAX_PARTS + 1], col[MAX_PARTS + 1];    /* first chunk, first column */
-#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
-    const int64_t chunk = x16 ? TILE_COLS : 8;
-#else
-    const int64_t chunk = 8;
-#endif
+    int64_t first[MAX_PARTS + 1], col[MAX_PARTS + 1], chunk[MAX_PARTS];  /* first chunk, column */
     first[0] = col[0] = 0;
     for (int p = 0; p < nparts; p++) {
-        first[p + 1] = first[p] + (ns[p] + chunk - 1) / chunk;
+        chunk[p] = (types[p] & VQ_PACKED) || (x16 && m >= TILE_MIN_ROWS) ? 16 : 8;
+        first[p + 1] = first[p] + (ns[p] + chunk[p] - 1) / chunk[p];
         col[p + 1] = col[p] + ns[p];
     }
-    const int64_t ldy = col[nparts];
+    const int64_t ldy = col[nparts], nb = k / QK;
     const int vnni = vq_uses_vnni();
-    (void)x16;                                      /* generic: never built */
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < first[nparts]; c++) {
         int p = 0;
         while (c >= first[p + 1]) p++;
-        const int64_t j0 = (c - first[p]) * chunk, j1 = j0 + chunk < ns[p] ? j0 + chunk : ns[p];
+        const int64_t j0 = (c - first[p]) * chunk[p];
+        const int64_t j1 = j0 + chunk[p] < ns[p] ? j0 + chunk[p] : ns[p];
+        const int type = types[p] & ~VQ_PACKED;
         const float *bp = bias ? bias + col[p] : NULL;
         const float *rp = residual ? residual + col[p] : NULL;
+        float *yp = y + col[p];
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
-        if (x16) {
-            columns_tiled(types[p], ws[p], j0, j1, k, x16, xd + m * (k / QK), xs, m, bp, rp,
-                          y + col[p], ldy);
+        if (types[p] & VQ_PACKED) {
+            columns_packed(type, ws[p], j0, j1, k, x16, xd + m * nb, xs, m, bp, rp, yp, ldy);
+            continue;
+        }
+        if (x16 && m >= TILE_MIN_ROWS) {
+            columns_tiled(type, 0, ws[p], j0, j1, k, x16, xd + m * nb, xs, m, bp, rp, yp, ldy);
             continue;
         }
 #endif
 #if defined(VTOK_ISA_AVX512)
         if (vnni) {
-            columns_vnni(types[p], ws[p], j0, j1, k, xq, xd, xs, m, bp, rp, y + col[p], ldy);
+            columns_vnni(type, ws[p], j0, j1, k, xq, xd, xs, m, bp, rp, yp, ldy);
             continue;
         }
 #endif
-        (void)vnni;
-        columns_madd(types[p], ws[p], j0, j1, k, xq, xd, xs, m, bp, rp, y + col[p], ldy);
+        (void)vnni, (void)x16, (void)nb;
+        columns_madd(type, ws[p], j0, j1, k, xq, xd, xs, m, bp, rp, yp, ldy);
     }
+}
+
+/* a calling thread's buffer of at least `bytes`, kept from call to call (a fresh one per call
+   costs page faults once it passes malloc's mmap threshold); NULL: no memory */
+static void *scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        free(buf);
+        cap = bytes + bytes / 4 + 4096;
+        buf = malloc(cap);
+        if (!buf) cap = 0;
+    }
+    return buf;
 }
 
 /* y [m, N] = x [m, k] @ [W_0; W_1; ...]^T (+ bias [N]) (+ residual [m, N]), N = sum ns: weight
@@ -928,26 +1286,20 @@ int vq_gemm_parts(int nparts, const int *types, const uint8_t *const *ws, const 
     for (int p = 0; p < nparts; p++) n += ns[p];
     if (m == 0 || n == 0) return 0;
     const int64_t nb = k / QK;
-    int8_t *xq = (int8_t *)malloc((size_t)(2 * m * k) + 64);
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(m * nb) * 3 + 64);
-    if (!xq || !xd) {
-        free(xq);
-        free(xd);
-        return -1;
-    }
-    float *xs = xd + 2 * m * nb;
-    vq_quantize_rows(x, m, k, xq, xq + m * k, xd, xd + m * nb, xs);
-    int16_t *x16 = NULL;
+    int want16 = 0;         /* x86: the repacked and tiled kernels read X = 254 q + e */
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
-    if (m >= TILE_MIN_ROWS && (x16 = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k)))) {
-        for (int64_t i = 0; i < m * k; i++)
-            x16[i] = (int16_t)(254 * xq[i] + xq[m * k + i]);
-    }
+    for (int p = 0; p < nparts; p++) want16 |= (types[p] & VQ_PACKED) != 0;
+    want16 |= m >= TILE_MIN_ROWS;
 #endif
+    /* the activations: d, ed, s [m, nb] floats, then q, e [m, k] int8, then X [m, k] int16 */
+    const size_t fbytes = sizeof(float) * (size_t)(3 * m * nb);
+    uint8_t *buf = (uint8_t *)scratch(fbytes + (size_t)(2 * m * k) * (want16 ? 2 : 1));
+    if (!buf) return -1;
+    float *xd = (float *)buf, *xs = xd + 2 * m * nb;
+    int8_t *xq = (int8_t *)(buf + fbytes);
+    int16_t *x16 = want16 ? (int16_t *)(xq + 2 * m * k) : NULL;
+    quantize_rows(x, m, k, xq, xq + m * k, x16, xd, xd + m * nb, xs);
     gemm_parts_q(nparts, types, ws, ns, k, xq, xd, xs, x16, m, bias, residual, y);
-    free(x16);
-    free(xq);
-    free(xd);
     return 0;
 }
 

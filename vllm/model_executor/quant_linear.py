@@ -103,10 +103,21 @@ def _runs(weights: List[QuantWeight]) -> List[List[QuantWeight]]:
     return runs
 
 
+def _part(run: List[QuantWeight]):
+    """(blocks, C type, rows) of one run: its rows concatenated, repacked (16 columns
+    interleaved, type | PACKED) where this CPU's kernels take the type that way."""
+    blocks = torch.cat([w.blocks for w in run]) if len(run) > 1 else run[0].blocks.contiguous()
+    qtype, n = run[0].qtype, sum(w.shape[0] for w in run)
+    if quant_kernels.packs(qtype):
+        return quant_kernels.repack(blocks, qtype), qtype | quant_kernels.PACKED, n
+    return blocks, qtype, n
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) (+ residual) with W in GGML blocks; the weights of a fused GEMM are
-    given in output order, consecutive ones of one type as one part (their rows concatenated),
-    parts of different types multiplied in one call (quant_kernels.gemm_parts). Linear's
+    given in output order, consecutive ones of one type as one part (their rows concatenated,
+    Q4_0 / Q4_1 / Q8_0 repacked on x86), parts of different types multiplied in one call
+    (quant_kernels.gemm_parts). Linear's
     interface: in_features, out_features, bias, forward(x, residual). `packed` is None: the C
     decode layer, which fuses float32 layers, is off for a layer that has a QuantLinear."""
 
@@ -118,11 +129,10 @@ class QuantLinear(nn.Module):
         self.out_features = sum(w.shape[0] for w in weights)
         runs = _runs(weights)
         self.qtypes = tuple(run[0].qtype for run in runs)
-        self.blocks = nn.ParameterList(
-            nn.Parameter(torch.cat([w.blocks for w in run]) if len(run) > 1
-                         else run[0].blocks.contiguous(), requires_grad=False) for run in runs)
-        self._parts = quant_kernels.Parts(list(zip(self.blocks, self.qtypes)),
-                                          self.in_features)
+        parts = [_part(run) for run in runs]
+        self.blocks = nn.ParameterList(nn.Parameter(b, requires_grad=False) for b, _, _ in parts)
+        self._parts = quant_kernels.Parts(
+            [(b, t, n) for b, (_, t, n) in zip(self.blocks, parts)], self.in_features)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
 
@@ -132,6 +142,6 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         if len(self.qtypes) == 1:
-            return quant_kernels.gemm(x, self._parts.tensors[0], self.qtypes[0],
+            return quant_kernels.gemm(x, self._parts.tensors[0], self._parts.types[0],
                                       self.out_features, self.in_features, self.bias, residual)
         return quant_kernels.gemm_parts(x, self._parts, self.bias, residual)
