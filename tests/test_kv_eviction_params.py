@@ -1,7 +1,6 @@
 """Eviction users can trust: a floor under every budget (short chats are never touched) and
 per-request eviction settings through LLM.generate and both OpenAI endpoints."""
 import httpx
-import numpy as np
 import openai
 import pytest
 

@@ -1,7 +1,6 @@
 """The offline API's sampling features through the whole engine, and its input validation."""
 import pytest
 
-from tests.conftest import random_prompts
 from vllm import LLM, SamplingParams
 
 

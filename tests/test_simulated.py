@@ -32,7 +32,6 @@ def test_statistics_are_shaped_and_normalised_like_the_backend():
     model = SimulatedModel(_config(), seed=1)
     cache = torch.zeros(1, 64, 2, 1, 1)
     # two decodes (views of 5 and 3 keys) then one prefill chunk of 4 queries over 10 keys
-    views = [torch.tensor([3, 9, 12, 20, 21]), torch.tensor([30, 31, 40])]
     prefill_view = torch.arange(44, 54)
     positions = torch.tensor([7, 2] + list(range(6, 10)))
     meta = AttentionMetadata(

@@ -17,7 +17,7 @@ decode layer takes float32 weights only).
 """
 import functools
 import math
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
