@@ -32,7 +32,7 @@ def _byte_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for ch in pre_tokenizers.ByteLevel.alphabet():
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):   # a set: its order varies by run
         vocab[ch] = len(vocab)
     tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
