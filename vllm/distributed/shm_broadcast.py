@@ -19,6 +19,7 @@ from typing import Any, Optional, Tuple
 from vllm.distributed.shm_segment import LINE, ShmSegment
 
 READER_SPIN_S = 0.02         # rank 0 spends ~2-7 ms between steps (sampling, scheduling)
+READER_MAX_NAP_S = 0.005      # then an idle engine: a late first step costs at most this
 
 
 class ShmBroadcast:
@@ -59,7 +60,7 @@ class ShmBroadcast:
         assert self.rank > 0
         self.calls += 1
         k = self.calls
-        self.seg.wait_for(self.counters[:1], k, "broadcast", spin_s=READER_SPIN_S)
+        self.seg.wait_for(self.counters[:1], k, "broadcast", READER_SPIN_S, READER_MAX_NAP_S)
         n = int(self.length[0])
         obj = pickle.loads(self.data[:n]) if n >= 0 else None
         self.counters[self.rank] = k

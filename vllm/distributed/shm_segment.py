@@ -22,8 +22,6 @@ import torch
 LINE = 64                     # bytes per counter: one cache line each
 SPIN_S = 0.002                # spin this long, then nap between looks
 NAP_S = 0.0002
-IDLE_S = 1.0                  # after this long waiting, nap IDLE_NAP_S (an idle engine)
-IDLE_NAP_S = 0.002
 CHECK_S = 0.5                 # while napping, ask peer_alive this often
 SHM_DIR = "/dev/shm"
 _LINGERING = []               # segments closed while a view lived: their mapping stays mapped
@@ -81,17 +79,21 @@ class ShmSegment:
         self._memoryviews.append(view)
         return view
 
-    def wait_for(self, counters: np.ndarray, k: int, what: str, spin_s: float = SPIN_S) -> None:
-        """Until every counter is >= k. (min of .tolist(): ~0.5 us a look, numpy's min ~3 us.)"""
+    def wait_for(self, counters: np.ndarray, k: int, what: str, spin_s: float = SPIN_S,
+                 max_nap_s: float = NAP_S) -> None:
+        """Until every counter is >= k. (min of .tolist(): ~0.5 us a look, numpy's min ~3 us.)
+        Naps start at NAP_S and double up to max_nap_s: a waiter that may wait long (for the
+        next step of an idle engine) wakes the core a few hundred times a second, not 5,000."""
         if min(counters.tolist()) >= k:
             return
         start = time.perf_counter()
         if self._spin(counters, k, start + spin_s):
             return
-        last_check = start
+        last_check, nap = start, NAP_S
         while min(counters.tolist()) < k:
             now = time.perf_counter()
-            time.sleep(NAP_S if now - start < IDLE_S else IDLE_NAP_S)
+            time.sleep(nap)
+            nap = min(2 * nap, max_nap_s)
             if now - last_check > CHECK_S:
                 last_check = now
                 if not self.peer_alive():
