@@ -1,10 +1,15 @@
-"""Decode throughput of the default model (SmolLM2-135M-Instruct, a Q4_1 GGUF): --quantization
-none (dequantized float32 GEMMs) vs gguf (the GGUF's Q4_1 / Q8_0 blocks multiplied natively,
-csrc/cpu/quant_kernels.c), at batch 1 / 16 / 32 on this CPU.
+"""Decode throughput of the default model (SmolLM2-135M-Instruct) by weight format: the float32
+path (--quantization none: the shipped Q4_1 dequantized) against the GGUF's blocks multiplied
+natively (--quantization gguf, csrc/cpu/quant_kernels.c): the shipped Q4_1 file and, with
+--formats, Q4_0 / Q8_0 files requantized from it (its GEMM weights dequantized and quantized
+again by gguf's own quantizer, the Q8_0 token embedding kept; written once to the cache), at
+batch 1 / 16 / 32 on this CPU.
 
 Decode tok/s = batch * (L - 1) / (t(L) - t(1)): a greedy batch generating L tokens minus the same
-batch generating one (its prefill), best of --repeats. Prints a table; writes JSON to
-benchmarks/results/benchmark_quant.json.
+batch generating one (its prefill). Every format's engine is built first; then --rounds rounds,
+each timing every batch on every format in turn (the order rotated per round), so a shared
+host's drift reaches all of them alike: the table shows each format's median tok/s and the median
+of its per-round ratios to float32 (the lowest beside it). Writes benchmark_quant.json / .png.
 
 --gemv instead times one GEMM of each of the default model's shapes per GGUF type (Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1, and Q4_K / Q6_K where the rows are a multiple of 256 wide: only ffn_down's
@@ -13,20 +18,22 @@ GEMM, at --rows activation rows, weights streamed from memory (the call cycles t
 that together exceed the last-level cache, as a decode step's 30 layers do). Writes
 benchmark_quant_gemv.json and .png.
 
-    python benchmarks/benchmark_quant.py [--threads 2] [--batches 1 16 32] [--tokens 48]
-    python benchmarks/benchmark_quant.py --gemv [--rows 1 16]
+    python benchmarks/benchmark_quant.py [--threads 2] [--batches 1 16 32] [--tokens 33]
+    python benchmarks/benchmark_quant.py --formats fp32 q4_1 q4_0 q8_0 --rounds 3
+    python benchmarks/benchmark_quant.py --gemv [--rows 1 16 32]
 """
 import argparse
-import json
 import os
+import statistics
 import sys
 import time
+from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import RESULTS, cpu_info, plt, save, table  # noqa: E402
+from common import cpu_info, plt, save, table  # noqa: E402
 
 # the default model's GEMMs: name -> (N, K) and how many a decode step runs
 SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30),
@@ -121,7 +128,44 @@ def gemv_main(args) -> None:
                                   "q4_k_m_layout": Q4_K_M}, fig)
 
 
-def decode_tok_s(llm, batch: int, tokens: int, repeats: int) -> float:
+def requantized(qtype_name: str) -> str:
+    """The default model's GGUF with its Q4_1 GEMM weights requantized to qtype_name (gguf's
+    quantizer on the dequantized weights), written once under the cache root."""
+    import gguf
+    import numpy as np
+
+    from vllm import envs
+    from vllm.model_executor.gguf_loader import find_default_model_gguf
+    src = find_default_model_gguf()
+    dst = envs.cache_root() / "gguf" / f"SmolLM2-135M-Instruct.{qtype_name}.requantized.gguf"
+    if dst.exists():
+        return str(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    reader = gguf.GGUFReader(src)
+    tmp = dst.with_suffix(f".{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch=str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for t in reader.tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:      # the layers' GEMM weights
+            w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            writer.add_tensor(t.name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(dst)
+    return str(dst)
+
+
+def decode_tok_s(llm, batch: int, tokens: int) -> float:
     from vllm import SamplingParams
     prompts = [f"Tell me a story about the number {i}." for i in range(batch)]
 
@@ -131,17 +175,70 @@ def decode_tok_s(llm, batch: int, tokens: int, repeats: int) -> float:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0
     run(2)                                              # warm-up
-    best = min(run(tokens) - run(1) for _ in range(repeats))
-    return batch * (tokens - 1) / best
+    return batch * (tokens - 1) / (run(tokens) - run(1))
+
+
+def build_engines(formats: List[str], max_batch: int) -> Dict[str, object]:
+    """format -> an LLM: fp32 the float32 path; q4_1 the shipped file natively; others their
+    requantized file natively."""
+    from vllm import LLM
+    engines = {}
+    for fmt in formats:
+        model = None if fmt in ("fp32", "q4_1") else requantized(fmt.upper())
+        engines[fmt] = LLM(model=model, quantization="none" if fmt == "fp32" else "gguf",
+                           max_num_seqs=max_batch, num_gpu_blocks_override=1024)
+    return engines
+
+
+def decode_main(args) -> None:
+    from vllm import quant_kernels
+    formats = ["fp32"] + [f for f in args.formats if f != "fp32"]
+    engines = build_engines(formats, max(args.batches))
+    runs = {(f, b): [] for f in formats for b in args.batches}
+    for r in range(args.rounds):
+        order = formats[r % len(formats):] + formats[:r % len(formats)]
+        for b in args.batches:
+            for f in order:
+                runs[(f, b)].append(decode_tok_s(engines[f], b, args.tokens))
+                print(f"round {r + 1} batch {b} {f}: {runs[(f, b)][-1]:.1f} tok/s", flush=True)
+    rows = []
+    for b in args.batches:
+        row = {"batch": b}
+        for f in formats:
+            row[f"{f} tok/s"] = statistics.median(runs[(f, b)])
+            if f != "fp32":
+                ratios = [q / p for q, p in zip(runs[(f, b)], runs[("fp32", b)])]
+                row[f"{f}/fp32"] = statistics.median(ratios)
+                row[f"{f}/fp32 min"] = min(ratios)
+        rows.append(row)
+    info = cpu_info()
+    lib = quant_kernels.library(quant_kernels.active_isa())
+    title = (f"{info['cpu']}, quant kernels {quant_kernels.active_isa()} (vnni "
+             f"{bool(lib.vq_uses_vnni())}), {args.threads} threads, {args.tokens} tokens, "
+             f"median of {args.rounds} alternating rounds")
+    table(rows, list(rows[0]), title)
+    fig, ax = plt().subplots(figsize=(7, 3.5))
+    for j, f in enumerate(formats):
+        ax.bar([i + j * 0.8 / len(formats) for i in range(len(args.batches))],
+               [row[f"{f} tok/s"] for row in rows], 0.8 / len(formats), label=f)
+    ax.set_xticks([i + 0.4 - 0.4 / len(formats) for i in range(len(args.batches))],
+                  [f"batch {b}" for b in args.batches])
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"SmolLM2-135M decode by weight format, {info['cpu']}, {args.threads} threads")
+    ax.legend(fontsize=8)
+    save(args.name, {"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+                     "rows": rows, "runs": {f"{f} {b}": v for (f, b), v in runs.items()}}, fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32])
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(RESULTS, "benchmark_quant.json"))
+    ap.add_argument("--tokens", type=int, default=33)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--formats", nargs="+", default=["fp32", "q4_1"],
+                    choices=["fp32", "q4_1", "q4_0", "q8_0"])
+    ap.add_argument("--name", default="benchmark_quant", help="results file name")
     ap.add_argument("--gemv", action="store_true",
                     help="time single GEMMs of the default model's shapes per GGUF type")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16],
@@ -150,31 +247,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.gemv:
         gemv_main(args)
-        return
-    from vllm import LLM, quant_kernels
-    results = {}
-    for quant in ("none", "gguf"):
-        llm = LLM(quantization=quant, max_num_seqs=max(args.batches),
-                  num_gpu_blocks_override=1024)
-        results[quant] = {b: decode_tok_s(llm, b, args.tokens, args.repeats)
-                          for b in args.batches}
-        del llm
-    info = cpu_info()
-    print(f"{info['cpu']}, ISA {info['isa']} (quant kernels {quant_kernels.active_isa()}, vnni "
-          f"{bool(quant_kernels.library(quant_kernels.active_isa()).vq_uses_vnni())}), "
-          f"{args.threads} threads")
-    print(f"{'batch':>5} {'fp32 tok/s':>11} {'Q4_1 tok/s':>11} {'ratio':>6}")
-    rows = []
-    for b in args.batches:
-        f, q = results["none"][b], results["gguf"][b]
-        rows.append({"batch": b, "fp32_tok_s": f, "gguf_tok_s": q, "ratio": q / f})
-        print(f"{b:>5} {f:>11.1f} {q:>11.1f} {q / f:>6.2f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"machine": info, "threads": args.threads, "tokens": args.tokens,
-                   "rows": rows}, fh, indent=2)
-    print(f"wrote {args.out}")
-
+    else:
+        decode_main(args)
 
 if __name__ == "__main__":
     main()
