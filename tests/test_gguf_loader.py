@@ -366,3 +366,91 @@ def test_kquant_gguf_naive_evict_and_vtoken_identical(kquant_gguf, policy):
         if mode == "vtoken":
             assert stats["relocation_events"] > 0
     assert outs["none"] == outs["vtoken"]
+
+
+# --------------------------------------------------------------------------
+# --quantization auto: the blocks below a crossover timed at load, float32 from there
+# --------------------------------------------------------------------------
+
+
+def _auto_llm(path, monkeypatch, crossover):
+    """quantization="auto" with the load-time crossover replaced by `crossover` rows."""
+    from vllm import quant_kernels
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    if not quant_kernels.available():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(LlamaForCausalLM, "quant_crossover", lambda self: crossover)
+    llm = _kquant_llm(path, "auto")
+    return llm, llm.llm_engine.model_executor.driver_worker.model
+
+
+def test_auto_resolves_to_gguf_for_a_gguf_model_and_none_for_a_directory(kquant_gguf, tmp_path):
+    assert gguf_loader.resolve_quantization(kquant_gguf, "auto") == ("gguf", kquant_gguf)
+    assert gguf_loader.resolve_quantization(str(tmp_path), "auto") == ("none", None)
+    assert gguf_loader.resolve_quantization(kquant_gguf, "none") == ("none", None)
+
+
+def test_auto_runs_the_blocks_below_the_crossover_and_float32_from_it(kquant_gguf, monkeypatch):
+    """Both layer sets kept; a step of fewer rows than quant_below runs the blocks, others the
+    float32 layers. Forced all one way, the tokens and prompt logprobs are exactly those of
+    --quantization gguf and of none."""
+    from vllm import SamplingParams
+    from vllm.model_executor.models.llama import Linear
+    from vllm.model_executor.quant_linear import QuantLinear
+
+    llm, model = _auto_llm(kquant_gguf, monkeypatch, crossover=4)
+    assert llm.llm_engine.model_config.quantization == "gguf" and model.quant_below == 4
+    assert isinstance(model.layers[0].qkv, Linear) and isinstance(model.lm_head, Linear)
+    assert isinstance(model.quant_layers[0].qkv, QuantLinear)
+    assert isinstance(model.quant_head, QuantLinear)
+
+    rows = {"blocks": [], "float32": []}
+    for name, layer in (("blocks", model.quant_layers[0]), ("float32", model.layers[0])):
+        hook = lambda module, args, name=name: rows[name].append(args[0].shape[0])  # noqa: E731
+        layer.register_forward_pre_hook(hook)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=5)
+    prompts = [_prompt(30, seed=3)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert rows["float32"] == [30] and rows["blocks"] == [1] * 5   # prefill, then decode steps
+
+    refs = {q: _kquant_llm(kquant_gguf, q).generate(prompts, params, use_tqdm=False)[0]
+            for q in ("gguf", "none")}
+    for quant_below, ref in ((10 ** 6, refs["gguf"]), (0, refs["none"])):
+        model.quant_below = quant_below
+        got = llm.generate(prompts, params, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert got.prompt_logprobs == ref.prompt_logprobs
+
+
+@pytest.mark.parametrize("side", ["float32", "blocks"])
+def test_auto_drops_the_side_that_wins_no_band(kquant_gguf, monkeypatch, side):
+    from vllm.cpu_kernel_plan import TIMED_ROWS
+    from vllm.model_executor.models.llama import Linear
+    from vllm.model_executor.quant_linear import QuantLinear
+
+    crossover = 0 if side == "float32" else TIMED_ROWS[-1] + 1
+    _, model = _auto_llm(kquant_gguf, monkeypatch, crossover)
+    assert model.quant_layers is None and model.quant_head is None and model.quant_below == 0
+    kind = Linear if side == "float32" else QuantLinear
+    assert isinstance(model.layers[0].qkv, kind) and isinstance(model.lm_head, kind)
+    assert (model.layers[0].fused is None) == (side == "blocks")
+
+
+def test_auto_crossover_is_timed_on_the_model(kquant_gguf):
+    """The real timing: a row count of TIMED_ROWS, 0 or past it, and the model generates."""
+    from vllm import SamplingParams
+    from vllm.cpu_kernel_plan import TIMED_ROWS
+    from vllm import quant_kernels
+
+    if not quant_kernels.available():
+        pytest.skip("no C compiler")
+    llm = _kquant_llm(kquant_gguf, "auto")
+    model = llm.llm_engine.model_executor.driver_worker.model
+    assert model.quant_below in (0,) + TIMED_ROWS[1:]
+    assert (model.quant_layers is None) == (model.quant_below == 0)
+    if model.quant_layers is not None:
+        assert model.quant_crossover(repeats=1) in (0,) + TIMED_ROWS[1:] + (TIMED_ROWS[-1] + 1,)
+    out = llm.generate([_prompt(10, seed=4)], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4

@@ -40,7 +40,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     load_format: str = "auto"              # auto | dummy (random weights) | simulate (no model math)
-    quantization: str = "auto"             # auto (= none for now) | gguf | none
+    quantization: str = "auto"             # auto | gguf | none
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1        # > 1: not supported
     data_parallel_size: int = 1            # > 1: not supported
@@ -104,11 +104,11 @@ class EngineArgs:
             help="dummy: seeded random weights from the model directory's config.json alone; "
                  "simulate: skip model math and emit seeded synthetic attention statistics")
         add("--quantization", "-q", type=str, default="auto", choices=list(QUANTIZATION_METHODS),
-            help="gguf: keep a .gguf model's Q8_0/Q4_0/Q4_1 GEMM weights in their blocks and "
-                 "multiply them natively on the CPU (other types, GPUs and tensor parallelism: "
-                 "dequantized float32); none: dequantize everything to float32; auto: "
-                 "the float32 path for now (the native kernels are opt-in until they are measured "
-                 "faster on every batch size)")
+            help="gguf: keep a .gguf model's GEMM weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
+                 "Q6_K) in their blocks and multiply them natively on the CPU (other types, GPUs "
+                 "and tensor parallelism: dequantized float32); none: dequantize everything to "
+                 "float32; auto (the default): gguf for a .gguf model, with the float32 weights "
+                 "kept too for the batch sizes where they are faster on this CPU (timed at load)")
         add("--tensor-parallel-size", "-tp", type=int, default=1,
             help="ranks that shard the model (not implemented yet in this build: 1)")
         add("--pipeline-parallel-size", "-pp", type=int, default=1, help="not supported: 1")

@@ -16,7 +16,7 @@ from vllm.engine.stop_checker import StopChecker
 from vllm.executor.executor_base import ExecutorBase
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.model_executor.gguf_loader import resolve_model, resolve_quantization
-from vllm.model_executor.model_loader import GGUF_QUANT_ATTR
+from vllm.model_executor.model_loader import GGUF_KEEP_FLOAT32_ATTR, GGUF_QUANT_ATTR
 from vllm.model_executor.sampler import (Sampler, SamplerOutput, SamplingRow,
                                          compute_prompt_logprobs)
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -54,8 +54,9 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(args.tokenizer or model_dir, args.load_format)
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.hf_config = hf_config
-        if quantization == "gguf":      # get_model reads it on every rank
+        if quantization == "gguf":      # get_model reads them on every rank
             setattr(hf_config, GGUF_QUANT_ATTR, quant_file)
+            setattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, args.quantization == "auto")
         max_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
         self.simulated = args.load_format == "simulate"
         self.device_config = DeviceConfig(self._device(args))

@@ -461,15 +461,16 @@ def resolve_model(model: Optional[str]) -> str:
 
 def resolve_quantization(model: Optional[str], quantization: str = "auto"):
     """``--quantization`` for a ``--model`` value -> (``"gguf"`` or ``"none"``, the GGUF file
-    for gguf). auto: none (the float32 path) until the native kernels are measured faster than
-    it on every batch band; gguf: a .gguf model's (or the default model's) blocks run natively,
-    and for a directory it is an error (it has no blocks to keep)."""
+    for gguf). gguf: a .gguf model's (or the default model's) blocks run natively, and for a
+    directory it is an error (it has no blocks to keep); auto: gguf for a .gguf model (the
+    engine then keeps the float32 weights too, for the batch bands where they are faster on
+    this CPU), none for a directory."""
     from vllm.config import QUANTIZATION_METHODS
 
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"--quantization: must be one of {QUANTIZATION_METHODS}, "
                          f"got {quantization!r}")
-    if quantization in ("none", "auto"):
+    if quantization == "none":
         return "none", None
     if model is None:
         source = find_default_model_gguf()

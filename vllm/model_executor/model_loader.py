@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 # set on the HF config by the engine (it travels to every rank with it): the GGUF whose block
 # weights --quantization gguf keeps
 GGUF_QUANT_ATTR = "vllm_gguf_quantized_file"
+GGUF_KEEP_FLOAT32_ATTR = "vllm_gguf_keep_float32"     # --quantization auto: float32 kept too
 
 
 def _gguf_blocks(hf_config, dtype: str, device: torch.device, tp: TPGroup,
@@ -150,7 +151,8 @@ def get_model(model_dir: str, hf_config, dtype: str, max_model_len: int,
     quant = _gguf_blocks(hf_config, dtype, device, tp, load_format)
     with torch.no_grad():
         if quant:
-            model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device, tp, quant=quant)
+            model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device, tp, quant=quant,
+                        quant_keep_float32=getattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, False))
         else:
             model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device, tp)
     return model.eval()

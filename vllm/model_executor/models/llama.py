@@ -13,10 +13,15 @@ band the GEMM path (C on packed panels, MKL packed, or x @ Wt), the decode atten
 a decode step runs each layer as one C call; each weight is kept only in the layouts it uses.
 With --quantization gguf the GEMM weights the GGUF holds in Q8_0 / Q4_0 / Q4_1 blocks stay in
 them (QuantLinear, model_executor/quant_linear.py); a layer with one runs op by op (the fused C
-decode layer takes float32 weights only).
+decode layer takes float32 weights only). With quant_keep_float32 (--quantization auto) the model
+holds both: steps of fewer rows than `quant_below` run the blocks (`quant_layers`, `quant_head`),
+larger ones the float32 layers, the crossover timed once at load on this CPU; a side that wins
+no band is dropped.
 """
 import functools
+import logging
 import math
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -29,6 +34,8 @@ from vllm.cpu_kernel_plan import KernelPlan, band
 from vllm.distributed.tp_group import TPGroup
 from vllm.model_executor.quant_linear import QuantLinear, QuantWeight, group
 from vllm.weight_arena import WeightArena
+
+logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Module):
@@ -170,7 +177,10 @@ def _quant_group(quant: Optional[Dict[str, QuantWeight]], p: str,
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, w: Dict[str, torch.Tensor], p: str, plan: Optional[KernelPlan],
                  arena: Optional[WeightArena] = None, tp: TPGroup = TPGroup(),
-                 quant: Optional[Dict[str, QuantWeight]] = None):
+                 quant: Optional[Dict[str, QuantWeight]] = None,
+                 dense: Optional["DecoderLayer"] = None):
+        """dense: the float32 twin of a layer built with `quant`; the GEMMs not kept in blocks
+        are shared with it, not copied."""
         super().__init__()
         self.plan, self.tp = plan, tp
         self.num_heads, self.num_kv_heads = local_heads(cfg, tp)
@@ -185,6 +195,8 @@ class DecoderLayer(nn.Module):
             qw = _quant_group(quant, p, gemm)
             if qw is not None:
                 return QuantLinear(qw, bias)
+            if dense is not None:
+                return getattr(dense, gemm)
             wt = torch.cat([w[f"{p}.{n}.weight"] for n in LAYER_GEMMS[gemm]]).t()
             return Linear(wt, bias, plan, arena)
         self.qkv = linear("qkv", qkv_b)
@@ -244,9 +256,11 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg, weights: Dict[str, torch.Tensor], dtype: torch.dtype, max_pos: int,
                  device: torch.device = torch.device("cpu"), tp: Optional[TPGroup] = None,
-                 quant: Optional[Dict[str, QuantWeight]] = None):
+                 quant: Optional[Dict[str, QuantWeight]] = None,
+                 quant_keep_float32: bool = False):
         """quant: HF weight name -> its GGUF blocks (--quantization gguf; float32 on the CPU,
-        one rank only); those GEMMs run as QuantLinear, the rest as Linear."""
+        one rank only); those GEMMs run as QuantLinear, the rest as Linear. quant_keep_float32:
+        the float32 layers are kept too, for the batch bands where they are faster."""
         super().__init__()
         if getattr(cfg, "head_dim", None) is None:
             cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -261,6 +275,7 @@ class LlamaForCausalLM(nn.Module):
         quant = quant or None
         assert quant is None or (on_cpu and self.tp.world_size == 1), \
             "GGUF block weights run on the CPU in float32 at tensor parallel size 1"
+        blocks, quant = quant, (None if quant_keep_float32 else quant)   # quant: self.layers'
         shapes = self._gemm_shapes(cfg, w, head, self.num_heads, self.num_kv_heads, quant)
         self.plan = cpu_kernel_plan.plan_model(
             shapes, self.num_heads, self.num_kv_heads, cfg.head_dim,
@@ -282,6 +297,65 @@ class LlamaForCausalLM(nn.Module):
         if self.plan is not None:
             step = self._timed_step if self.layers[0].fused is not None else None
             cpu_kernel_plan.choose_decode_layer(self.plan, step)
+        self.quant_layers, self.quant_head, self.quant_below = None, None, 0
+        if blocks and quant_keep_float32:
+            self._add_quant_twin(cfg, w, blocks)
+
+    def _add_quant_twin(self, cfg, w: Dict[str, torch.Tensor],
+                        blocks: Dict[str, QuantWeight]) -> None:
+        """Layers running the GGUF blocks beside the float32 ones, and the row count below which
+        they are used (quant_crossover); a side that wins no timed band is dropped."""
+        self.quant_layers = nn.ModuleList(
+            DecoderLayer(cfg, w, f"model.layers.{i}", self.plan, None, self.tp, blocks, dense)
+            for i, dense in enumerate(self.layers))
+        head_q = group(blocks, ["lm_head.weight"])
+        self.quant_head = QuantLinear(head_q) if head_q else self.lm_head
+        start = time.perf_counter()
+        self.quant_below = self.quant_crossover()
+        logger.info("--quantization auto: GGUF blocks for steps of fewer than %d rows, float32 "
+                    "from there (timed in %.1f s)", self.quant_below, time.perf_counter() - start)
+        if self.quant_below == 0:                       # float32 wins every band
+            self.quant_layers, self.quant_head = None, None
+        elif self.quant_below > cpu_kernel_plan.TIMED_ROWS[-1]:   # blocks win every band
+            self.__dict__.pop("_fused_stack", None)     # the float32 layers' C view
+            self.layers, self.lm_head = self.quant_layers, self.quant_head
+            self.quant_layers, self.quant_head, self.quant_below = None, None, 0
+
+    def quant_crossover(self, repeats: int = 3) -> int:
+        """The smallest row count of TIMED_ROWS from which a decode step (all layers, the LM
+        head) is no slower on the float32 layers than on the blocks, min of
+        `repeats` each; 0 when float32 wins at 1 row, past TIMED_ROWS[-1] when it never does.
+        Larger bands are taken to go the way of the first that float32 wins."""
+        for m in cpu_kernel_plan.TIMED_ROWS:
+            seconds = {}
+            for quant in (True, False):
+                step = self._timed_forward(m, quant)
+                step()                                  # warm-up: scratch, page faults
+                seconds[quant] = min(_seconds(step) for _ in range(repeats))
+            if seconds[False] <= seconds[True]:
+                return 0 if m == 1 else m
+        return cpu_kernel_plan.TIMED_ROWS[-1] + 1
+
+    def _timed_forward(self, m: int, quant: bool) -> Callable[[], object]:
+        """For timing: a decode step of m rows with 2,048 keys in all (at most 256 a row), on
+        the blocks or on the float32 layers (as forward picks its path), with its logits."""
+        first = self.layers[0]
+        context = min(256, 2048 // m)
+        kv_caches = torch.zeros(len(self.layers), m * context + m, 2, first.num_kv_heads,
+                                first.head_dim)
+        meta = AttentionMetadata(slot_mapping=torch.arange(m * context, m * (context + 1)),
+                                 num_decodes=m, decode_views=torch.arange(m * context).view(m, -1),
+                                 decode_lens=torch.full((m,), context))
+        ids = torch.randint(self.embed.shape[0], (m,))
+        positions = torch.full((m,), min(context, len(self.rotary.cos) - 1))
+
+        def step():
+            saved, self.quant_below = self.quant_below, (m + 1 if quant else 0)
+            try:
+                return self.compute_logits(self(ids, positions, kv_caches, meta))
+            finally:
+                self.quant_below = saved
+        return step
 
     @staticmethod
     def _gemm_shapes(cfg, w: Dict[str, torch.Tensor], head: torch.Tensor, heads: int,
@@ -336,9 +410,10 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids)
         cos = self.rotary.cos[positions]              # [T, D]
         sin = self.rotary.sin[positions]
-        if self._all_in_c(meta, x.shape[0]):
+        layers = self.quant_layers if x.shape[0] < self.quant_below else self.layers
+        if layers is self.layers and self._all_in_c(meta, x.shape[0]):
             return self._decode_in_c(x, cos, sin, kv_caches, meta)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(layers):
             x = layer(x, cos, sin, self.rotary, kv_caches[i], meta)
         return rms_norm(x, self.norm, self.eps)
 
@@ -382,7 +457,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """[rows, vocab] float32 on rank 0 (each rank computes its vocabulary rows, rank 0
         gathers them); None on the other ranks."""
-        logits = self.lm_head(hidden).float()
+        head = self.quant_head if hidden.shape[0] < self.quant_below else self.lm_head
+        logits = head(hidden).float()
         if self.tp.world_size == 1:
             return logits
         return self.tp.gather_vocab(logits.contiguous(), self.config.vocab_size)
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
