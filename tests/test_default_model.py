@@ -23,7 +23,8 @@ def test_default_model_runs_its_gguf_blocks(quant_llm):
     from vllm.model_executor.quant_linear import QuantLinear
     assert quant_llm.llm_engine.model_config.quantization == "gguf"
     model = quant_llm.llm_engine.model_executor.driver_worker.model
-    assert isinstance(model.layers[0].qkv, QuantLinear) and model.layers[0].fused is None
+    assert isinstance(model.layers[0].qkv, QuantLinear)
+    assert model.layers[0].fused.qkv_q and model.layers[0].fused.down_q   # the C decode layer
     assert isinstance(model.lm_head, QuantLinear)          # the tied Q8_0 token embedding
 
 

@@ -405,14 +405,20 @@ def test_auto_runs_the_blocks_below_the_crossover_and_float32_from_it(kquant_ggu
     assert isinstance(model.quant_layers[0].qkv, QuantLinear)
     assert isinstance(model.quant_head, QuantLinear)
 
-    rows = {"blocks": [], "float32": []}
+    from vllm.model_executor.models import llama
+    rows = {"blocks": [], "float32": []}       # steps run op by op (layer 0's input rows)
     for name, layer in (("blocks", model.quant_layers[0]), ("float32", model.layers[0])):
         hook = lambda module, args, name=name: rows[name].append(args[0].shape[0])  # noqa: E731
         layer.register_forward_pre_hook(hook)
+    in_c = []                                  # steps run by the C decode layer: on blocks?
+    c_stack = llama._c_stack
+    monkeypatch.setattr(llama, "_c_stack", lambda layers: in_c.append(
+        layers is model.quant_layers) or c_stack(layers))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=5)
     prompts = [_prompt(30, seed=3)]
     llm.generate(prompts, params, use_tqdm=False)
-    assert rows["float32"] == [30] and rows["blocks"] == [1] * 5   # prefill, then decode steps
+    assert rows["float32"] == [30] and False not in in_c   # the prefill, on float32
+    assert rows["blocks"] + [1] * len(in_c) == [1] * 5     # then 5 decode steps on blocks
 
     refs = {q: _kquant_llm(kquant_gguf, q).generate(prompts, params, use_tqdm=False)[0]
             for q in ("gguf", "none")}
@@ -434,7 +440,7 @@ def test_auto_drops_the_side_that_wins_no_band(kquant_gguf, monkeypatch, side):
     assert model.quant_layers is None and model.quant_head is None and model.quant_below == 0
     kind = Linear if side == "float32" else QuantLinear
     assert isinstance(model.layers[0].qkv, kind) and isinstance(model.lm_head, kind)
-    assert (model.layers[0].fused is None) == (side == "blocks")
+    assert bool(model.layers[0].fused.qkv_q) == (side == "blocks")     # the C decode layer's
 
 
 def test_auto_crossover_is_timed_on_the_model(kquant_gguf):
@@ -454,3 +460,38 @@ def test_auto_crossover_is_timed_on_the_model(kquant_gguf):
     out = llm.generate([_prompt(10, seed=4)], SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_c_decode_layer_on_blocks_equals_the_per_op_path(kquant_gguf, monkeypatch):
+    """The C decode layer multiplies the blocks with the same kernels as QuantLinear: greedy
+    tokens and sampled logprobs of a batch (H2O, so the attention mass is collected too) equal
+    those of the same engine forced op by op, within float32 summation order."""
+    import torch
+
+    from vllm import SamplingParams
+
+    llm = _kquant_llm(kquant_gguf, "gguf", kv_eviction_policy="h2o", kv_budget_tokens=24,
+                      kv_min_tokens=0)
+    model = llm.llm_engine.model_executor.driver_worker.model
+    assert model.layers[0].fused.qkv_q and model.plan is not None
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = [_prompt(n, seed=10 + n) for n in (20, 33, 9)]
+    from vllm.model_executor.models import llama
+    in_c = []
+    c_stack = llama._c_stack
+    monkeypatch.setattr(llama, "_c_stack", lambda layers: in_c.append(1) or c_stack(layers))
+    bands = list(model.plan.decode_layer)
+    outs = {}
+    for fused in (True, False):
+        model.plan.decode_layer = [fused] * len(bands)
+        outs[fused] = llm.generate(prompts, params, use_tqdm=False)
+        assert (len(in_c) > 0) == fused
+        in_c.clear()
+    model.plan.decode_layer = bands
+    assert llm.get_kv_stats()["evicted_tokens"] > 0
+    for c, op in zip(outs[True], outs[False]):
+        assert c.outputs[0].token_ids == op.outputs[0].token_ids
+        for a, b in zip(c.outputs[0].logprobs, op.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            diff = torch.tensor([a[t].logprob - b[t].logprob for t in a]).abs().max()
+            assert float(diff) < 1e-4

@@ -46,13 +46,22 @@ _CFLAGS = {"avx512": ["-DVTOK_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512v
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
 
+class BlockWeight(ctypes.Structure):
+    """vtok_qweight: a GEMM kept in GGUF blocks, as quant_kernels.gemm_parts takes it, and the
+    address of the quant library's vq_gemm_parts that multiplies it."""
+    _fields_ = [("gemm", _ptr), ("nparts", _i64), ("types", _ptr), ("ws", _ptr), ("ns", _ptr)]
+
+
 class LayerWeights(ctypes.Structure):
-    """vtok_layer: one decoder layer's shapes and weights (GEMMs packed). It holds raw pointers:
-    the tensors must stay alive and in place (the engine never moves its model)."""
+    """vtok_layer: one decoder layer's shapes and weights (GEMMs packed float32, or in blocks
+    where its *_q pointer is set). It holds raw pointers: the tensors must stay alive and in
+    place (the engine never moves its model)."""
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
                 *((name, _ptr) for name in ("ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2",
-                                            "gate_up", "down"))]
+                                            "gate_up", "down")),
+                *((name, ctypes.POINTER(BlockWeight))
+                  for name in ("qkv_q", "o_q", "gate_up_q", "down_q"))]
 
 
 def _cpu_model() -> str:
@@ -150,8 +159,10 @@ def library(isa: str, source: Optional[Path] = None) -> Optional[ctypes.CDLL]:
     lib.vtok_decode_layer_scratch.restype = _i64
     lib.vtok_decode_layer.argtypes = [layer, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                       _i64, _ptr, _i64, _ptr, _int, _int, _f32, _f32]
+    lib.vtok_decode_layer.restype = _int
     lib.vtok_decode_layers.argtypes = [layer, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
                                        _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int, _int, _ptr]
+    lib.vtok_decode_layers.restype = _int
     assert lib.vtok_isa().decode() == isa
     return lib
 
@@ -329,12 +340,14 @@ def decode_layers(layers: ctypes.Array, x: torch.Tensor, cos: torch.Tensor, sin:
     assert kv_caches.is_contiguous() and len(kv_caches) == len(layers)
     fmt = kv_quant.FORMAT_CODES[kv_caches.dtype]
     scales = kv_quant.scales_of(kv_caches) if fmt else None
-    _library().vtok_decode_layers(
+    rc = _library().vtok_decode_layers(
         layers, len(layers), x.data_ptr(), m, cos.contiguous().data_ptr(),
         sin.contiguous().data_ptr(), slot_mapping.data_ptr(), kv_caches.data_ptr(),
         kv_caches.stride(0), views.data_ptr(), views.stride(0), lens.contiguous().data_ptr(),
         width, None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
         scratch.data_ptr(), prefetch, fmt, None if scales is None else scales.data_ptr())
+    if rc != 0:
+        raise MemoryError("decode_layers: a block GEMM had no memory for its activations")
     return x
 
 

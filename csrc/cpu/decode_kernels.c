@@ -738,11 +738,36 @@ void vtok_rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t KVH, int
    The kernels above in sequence, with no interpreter between them: at batch 16 on our machine
    the Python and torch glue around them cost about as much as the attention itself. */
 
+/* A GEMM kept in GGUF blocks: the weights of quant_kernels.c's vq_gemm_parts (nparts weights
+   side by side, each types[p] blocks of ns[p] rows), multiplied by `gemm`, that library's
+   vq_gemm_parts (this file does not link it: the caller hands over its address). */
+typedef int (*vtok_qgemm_fn)(int nparts, const int *types, const void *const *ws,
+                             const int64_t *ns, int64_t k, const float *x, int64_t m,
+                             const float *bias, const float *residual, float *y);
+typedef struct {
+  vtok_qgemm_fn gemm;
+  int64_t nparts;
+  const int *types;
+  const void *const *ws;
+  const int64_t *ns;
+} vtok_qweight;
+
 typedef struct {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
   const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *down;   /* GEMMs packed */
+  const vtok_qweight *qkv_q, *o_q, *gate_up_q, *down_q;   /* or, where not NULL, in blocks */
 } vtok_layer;
+
+/* y = x @ W (+ bias) (+ residual) with W packed float32 or, given qw, in GGUF blocks; 0, or
+   -1 where the block GEMM failed (no memory for its quantized activations) */
+static int layer_gemm(const float *x, int64_t M, int64_t K, const float *packed,
+                      const vtok_qweight *qw, int64_t N, const float *bias,
+                      const float *residual, float *y, int prefetch) {
+  if (qw) return qw->gemm((int)qw->nparts, qw->types, qw->ws, qw->ns, K, x, M, bias, residual, y);
+  vtok_packed_gemm(x, M, K, packed, N, bias, residual, y, prefetch);
+  return 0;
+}
 
 /* floats of scratch vtok_decode_layer needs for M rows and attention views of width lmax */
 int64_t vtok_decode_layer_scratch(const vtok_layer *L, int64_t M, int64_t lmax) {
@@ -752,8 +777,8 @@ int64_t vtok_decode_layer_scratch(const vtok_layer *L, int64_t M, int64_t lmax) 
 
 /* x [M, hidden] <- the layer applied to x (residual stream, in place); this step's K/V written
    at slot_mapping; attention over views/lens as vtok_decode_attention (mass may be NULL); the
-   cache in format fmt with scales k_scale, v_scale. */
-void vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos,
+   cache in format fmt with scales k_scale, v_scale. 0, or -1 where a block GEMM failed. */
+int vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos,
                        const float *sin, const int64_t *slot_mapping, void *kv,
                        const int64_t *views, int64_t ld_views, const int64_t *lens, int64_t lmax,
                        float *mass, int64_t ld_mass, float *scratch, int prefetch, int fmt,
@@ -763,22 +788,23 @@ void vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *co
   float *h = scratch, *qkv = h + M * E, *q = qkv + M * QKV, *attn = q + M * HD;
   float *gate_up = attn + M * HD, *act = gate_up + M * 2 * I, *probs = act + M * I;
   vtok_rms_norm(x, M, E, L->ln1, L->eps, h);
-  vtok_packed_gemm(h, M, E, L->qkv, QKV, L->qkv_bias, NULL, qkv, prefetch);
+  if (layer_gemm(h, M, E, L->qkv, L->qkv_q, QKV, L->qkv_bias, NULL, qkv, prefetch)) return -1;
   vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q, fmt, k_scale, v_scale);
   vtok_decode_attention(q, kv, views, ld_views, lens, M, H, KVH, D, L->scale, probs, lmax, attn,
                         mass, ld_mass, fmt, k_scale, v_scale);
-  vtok_packed_gemm(attn, M, HD, L->o, E, L->o_bias, x, x, prefetch);
+  if (layer_gemm(attn, M, HD, L->o, L->o_q, E, L->o_bias, x, x, prefetch)) return -1;
   vtok_rms_norm(x, M, E, L->ln2, L->eps, h);
-  vtok_packed_gemm(h, M, E, L->gate_up, 2 * I, NULL, NULL, gate_up, prefetch);
+  if (layer_gemm(h, M, E, L->gate_up, L->gate_up_q, 2 * I, NULL, NULL, gate_up, prefetch))
+    return -1;
   vtok_silu_mul(gate_up, M, I, act);
-  vtok_packed_gemm(act, M, I, L->down, E, NULL, x, x, prefetch);
+  return layer_gemm(act, M, I, L->down, L->down_q, E, NULL, x, x, prefetch);
 }
 
 /* The whole decoder stack for one decode step: vtok_decode_layer for layers[0 .. n), layer i's
    cache at kv + i * kv_layer_stride values (format fmt; fp8: layer i's K and V scales are
    scales[2 i], scales[2 i + 1]). One call per step (the caller's per-layer call overhead,
-   ~10 us each from Python, adds up over 30 layers). */
-void vtok_decode_layers(const vtok_layer *layers, int64_t n, float *x, int64_t M,
+   ~10 us each from Python, adds up over 30 layers). 0, or -1 where a block GEMM failed. */
+int vtok_decode_layers(const vtok_layer *layers, int64_t n, float *x, int64_t M,
                         const float *cos, const float *sin, const int64_t *slot_mapping,
                         void *kv, int64_t kv_layer_stride, const int64_t *views,
                         int64_t ld_views, const int64_t *lens, int64_t lmax, float *mass,
@@ -786,8 +812,10 @@ void vtok_decode_layers(const vtok_layer *layers, int64_t n, float *x, int64_t M
                         const float *scales) {
   const int64_t es = fmt == KV_F32 ? 4 : 1;
   for (int64_t i = 0; i < n; i++)
-    vtok_decode_layer(layers + i, x, M, cos, sin, slot_mapping,
-                      (char *)kv + i * kv_layer_stride * es, views, ld_views, lens, lmax, mass,
-                      ld_mass, scratch, prefetch, fmt, scales ? scales[2 * i] : 1.f,
-                      scales ? scales[2 * i + 1] : 1.f);
+    if (vtok_decode_layer(layers + i, x, M, cos, sin, slot_mapping,
+                          (char *)kv + i * kv_layer_stride * es, views, ld_views, lens, lmax,
+                          mass, ld_mass, scratch, prefetch, fmt, scales ? scales[2 * i] : 1.f,
+                          scales ? scales[2 * i + 1] : 1.f))
+      return -1;
+  return 0;
 }

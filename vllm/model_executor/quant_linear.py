@@ -8,6 +8,8 @@ else (other quantization types, float tensors) is left to the float32 path. `Qua
 Linear's counterpart: the weights of a fused GEMM (Q/K/V, gate/up) side by side along the output
 dim, each in its own type (a Q4_K_M file mixes Q4_K and Q6_K in one fused Q/K/V).
 """
+import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -118,8 +120,8 @@ class QuantLinear(nn.Module):
     given in output order, consecutive ones of one type as one part (their rows concatenated,
     Q4_0 / Q4_1 / Q8_0 repacked on x86), parts of different types multiplied in one call
     (quant_kernels.gemm_parts). Linear's
-    interface: in_features, out_features, bias, forward(x, residual). `packed` is None: the C
-    decode layer, which fuses float32 layers, is off for a layer that has a QuantLinear."""
+    interface: in_features, out_features, bias, forward(x, residual); `packed` is None, and the
+    C decode layer multiplies `block_weight` instead."""
 
     packed = None
 
@@ -135,6 +137,17 @@ class QuantLinear(nn.Module):
             [(b, t, n) for b, (_, t, n) in zip(self.blocks, parts)], self.in_features)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
+
+    @functools.cached_property
+    def block_weight(self):
+        """The weights for the C decode layer (cpu_kernels.BlockWeight), with the address of
+        the active quant library's vq_gemm_parts."""
+        from vllm import cpu_kernels
+        lib = quant_kernels.library(quant_kernels.active_isa())
+        gemm = ctypes.cast(lib.vq_gemm_parts, ctypes.c_void_p).value
+        return cpu_kernels.BlockWeight(gemm, self._parts.count, ctypes.addressof(self._parts.types),
+                                       ctypes.addressof(self._parts.ptrs),
+                                       ctypes.addressof(self._parts.ns))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -12,13 +12,13 @@ In float32 on CPU a KernelPlan (vllm/cpu_kernel_plan.py), timed once at load, pi
 band the GEMM path (C on packed panels, MKL packed, or x @ Wt), the decode attention and whether
 a decode step runs each layer as one C call; each weight is kept only in the layouts it uses.
 With --quantization gguf the GEMM weights the GGUF holds in Q8_0 / Q4_0 / Q4_1 blocks stay in
-them (QuantLinear, model_executor/quant_linear.py); a layer with one runs op by op (the fused C
-decode layer takes float32 weights only). With quant_keep_float32 (--quantization auto) the model
+them (QuantLinear, model_executor/quant_linear.py); the C decode layer multiplies them in their
+blocks too (vq_gemm_parts, called through a pointer in its layer struct). With quant_keep_float32 (--quantization auto) the model
 holds both: steps of fewer rows than `quant_below` run the blocks (`quant_layers`, `quant_head`),
 larger ones the float32 layers, the crossover timed once at load on this CPU; a side that wins
 no band is dropped.
 """
-import functools
+import ctypes
 import logging
 import math
 import time
@@ -212,18 +212,23 @@ class DecoderLayer(nn.Module):
         self.fused = self._fused_weights(intermediate) if tp.world_size == 1 else None
 
     def _fused_weights(self, intermediate: int) -> Optional[cpu_kernels.LayerWeights]:
-        """The C decode layer's view of this layer, where every piece of it runs in C."""
+        """The C decode layer's view of this layer, where every piece of it runs in C (a GEMM
+        packed in float32 or kept in GGUF blocks)."""
         linears = (self.qkv, self.o, self.gate_up, self.down)
-        if any(lin.packed is None for lin in linears) or \
+        if any(lin.packed is None and not isinstance(lin, QuantLinear) for lin in linears) or \
                 any(n % 16 for n in (self.head_dim, self.ln1.numel(), intermediate)):
             return None
         ptr = lambda t: None if t is None else t.data_ptr()      # noqa: E731
+        blocks = lambda lin: (ctypes.pointer(lin.block_weight)   # noqa: E731
+                              if isinstance(lin, QuantLinear) else None)
         return cpu_kernels.LayerWeights(
             hidden=self.ln1.numel(), heads=self.num_heads, kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, intermediate=intermediate, eps=self.eps, scale=self.scale,
             ln1=ptr(self.ln1), qkv=ptr(self.qkv.packed), qkv_bias=ptr(self.qkv.bias),
             o=ptr(self.o.packed), o_bias=ptr(self.o.bias), ln2=ptr(self.ln2),
-            gate_up=ptr(self.gate_up.packed), down=ptr(self.down.packed))
+            gate_up=ptr(self.gate_up.packed), down=ptr(self.down.packed),
+            qkv_q=blocks(self.qkv), o_q=blocks(self.o), gate_up_q=blocks(self.gate_up),
+            down_q=blocks(self.down))
 
     def forward(self, x, cos, sin, rotary, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
@@ -317,7 +322,6 @@ class LlamaForCausalLM(nn.Module):
         if self.quant_below == 0:                       # float32 wins every band
             self.quant_layers, self.quant_head = None, None
         elif self.quant_below > cpu_kernel_plan.TIMED_ROWS[-1]:   # blocks win every band
-            self.__dict__.pop("_fused_stack", None)     # the float32 layers' C view
             self.layers, self.lm_head = self.quant_layers, self.quant_head
             self.quant_layers, self.quant_head, self.quant_below = None, None, 0
 
@@ -411,8 +415,8 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rotary.cos[positions]              # [T, D]
         sin = self.rotary.sin[positions]
         layers = self.quant_layers if x.shape[0] < self.quant_below else self.layers
-        if layers is self.layers and self._all_in_c(meta, x.shape[0]):
-            return self._decode_in_c(x, cos, sin, kv_caches, meta)
+        if self._all_in_c(layers, meta, x.shape[0]):
+            return self._decode_in_c(layers, x, cos, sin, kv_caches, meta)
         for i, layer in enumerate(layers):
             x = layer(x, cos, sin, self.rotary, kv_caches[i], meta)
         return rms_norm(x, self.norm, self.eps)
@@ -428,17 +432,18 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed[local.clamp(0, self.embed.shape[0] - 1)] * mine[:, None]
         return self.tp.all_reduce(x)
 
-    def _all_in_c(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+    def _all_in_c(self, layers: nn.ModuleList, meta: AttentionMetadata, num_tokens: int) -> bool:
         """A decode-only step in a band where the plan runs each layer as one C call."""
-        return (self.layers[0].fused is not None and not meta.prefills
+        return (layers[0].fused is not None and not meta.prefills
                 and meta.num_decodes == num_tokens > 0 and self.plan.use_decode_layer(num_tokens)
                 and ops.cpu_kernels_enabled())
 
-    def _decode_in_c(self, x, cos, sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode_in_c(self, layers: nn.ModuleList, x, cos, sin, kv_caches,
+                     meta: AttentionMetadata) -> torch.Tensor:
         x = x.contiguous()
         mass = meta.decode_mass
         scratch = self._scratch(x.shape[0], meta.decode_views)
-        cpu_kernels.decode_layers(self._fused_stack, x, cos, sin, meta.slot_mapping, kv_caches,
+        cpu_kernels.decode_layers(_c_stack(layers), x, cos, sin, meta.slot_mapping, kv_caches,
                                   meta.decode_views, meta.decode_lens, mass, scratch,
                                   self.plan.prefetch_next(x.shape[0]))
         return rms_norm(x, self.norm, self.eps)
@@ -449,10 +454,6 @@ class LlamaForCausalLM(nn.Module):
         if self._decode_scratch.numel() < size:
             self._decode_scratch = torch.empty(size, dtype=torch.float32)
         return self._decode_scratch
-
-    @functools.cached_property
-    def _fused_stack(self):
-        return cpu_kernels.layer_stack([layer.fused for layer in self.layers])
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """[rows, vocab] float32 on rank 0 (each rank computes its vocabulary rows, rank 0
@@ -468,3 +469,12 @@ def _seconds(call: Callable[[], object]) -> float:
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
+
+
+def _c_stack(layers: nn.ModuleList):
+    """The layers' C views as one array for decode_layers, built on first use and kept on the
+    list (a model may hold two lists: float32 and blocks)."""
+    stack = layers.__dict__.get("c_stack")
+    if stack is None:
+        stack = layers.c_stack = cpu_kernels.layer_stack([layer.fused for layer in layers])
+    return stack
