@@ -431,11 +431,10 @@ def test_auto_runs_the_blocks_below_the_crossover_and_float32_from_it(kquant_ggu
 
 @pytest.mark.parametrize("side", ["float32", "blocks"])
 def test_auto_drops_the_side_that_wins_no_band(kquant_gguf, monkeypatch, side):
-    from vllm.cpu_kernel_plan import TIMED_ROWS
-    from vllm.model_executor.models.llama import Linear
+    from vllm.model_executor.models.llama import CROSSOVER_ROWS, Linear
     from vllm.model_executor.quant_linear import QuantLinear
 
-    crossover = 0 if side == "float32" else TIMED_ROWS[-1] + 1
+    crossover = 0 if side == "float32" else CROSSOVER_ROWS[-1] + 1
     _, model = _auto_llm(kquant_gguf, monkeypatch, crossover)
     assert model.quant_layers is None and model.quant_head is None and model.quant_below == 0
     kind = Linear if side == "float32" else QuantLinear
@@ -444,19 +443,20 @@ def test_auto_drops_the_side_that_wins_no_band(kquant_gguf, monkeypatch, side):
 
 
 def test_auto_crossover_is_timed_on_the_model(kquant_gguf):
-    """The real timing: a row count of TIMED_ROWS, 0 or past it, and the model generates."""
+    """The real timing: a row count of CROSSOVER_ROWS, 0 or past it; the model generates."""
     from vllm import SamplingParams
-    from vllm.cpu_kernel_plan import TIMED_ROWS
     from vllm import quant_kernels
+    from vllm.model_executor.models.llama import CROSSOVER_ROWS
 
     if not quant_kernels.available():
         pytest.skip("no C compiler")
     llm = _kquant_llm(kquant_gguf, "auto")
     model = llm.llm_engine.model_executor.driver_worker.model
-    assert model.quant_below in (0,) + TIMED_ROWS[1:]
+    assert model.quant_below in (0,) + CROSSOVER_ROWS[1:]
     assert (model.quant_layers is None) == (model.quant_below == 0)
     if model.quant_layers is not None:
-        assert model.quant_crossover(repeats=1) in (0,) + TIMED_ROWS[1:] + (TIMED_ROWS[-1] + 1,)
+        assert model.quant_crossover(repeats=1) in \
+            (0,) + CROSSOVER_ROWS[1:] + (CROSSOVER_ROWS[-1] + 1,)
     out = llm.generate([_prompt(10, seed=4)], SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4

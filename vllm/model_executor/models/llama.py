@@ -36,6 +36,9 @@ from vllm.model_executor.quant_linear import QuantLinear, QuantWeight, group
 from vllm.weight_arena import WeightArena
 
 logger = logging.getLogger(__name__)
+# --quantization auto: the decode batch sizes timed blocks against float32 (a step of 64 rows
+# already runs both compute-bound, as a prefill does; 256 would add seconds to every load)
+CROSSOVER_ROWS = tuple(m for m in cpu_kernel_plan.TIMED_ROWS if m <= 64)
 
 
 class Linear(nn.Module):
@@ -317,20 +320,23 @@ class LlamaForCausalLM(nn.Module):
         self.quant_head = QuantLinear(head_q) if head_q else self.lm_head
         start = time.perf_counter()
         self.quant_below = self.quant_crossover()
-        logger.info("--quantization auto: GGUF blocks for steps of fewer than %d rows, float32 "
-                    "from there (timed in %.1f s)", self.quant_below, time.perf_counter() - start)
+        choice = f"GGUF blocks below {self.quant_below} rows, float32 from there"
         if self.quant_below == 0:                       # float32 wins every band
             self.quant_layers, self.quant_head = None, None
-        elif self.quant_below > cpu_kernel_plan.TIMED_ROWS[-1]:   # blocks win every band
+            choice = "float32 at every batch size"
+        elif self.quant_below > CROSSOVER_ROWS[-1]:     # blocks win every band
             self.layers, self.lm_head = self.quant_layers, self.quant_head
             self.quant_layers, self.quant_head, self.quant_below = None, None, 0
+            choice = "GGUF blocks at every batch size"
+        logger.info("--quantization auto: %s (timed in %.1f s)", choice,
+                    time.perf_counter() - start)
 
-    def quant_crossover(self, repeats: int = 3) -> int:
-        """The smallest row count of TIMED_ROWS from which a decode step (all layers, the LM
-        head) is no slower on the float32 layers than on the blocks, min of
-        `repeats` each; 0 when float32 wins at 1 row, past TIMED_ROWS[-1] when it never does.
-        Larger bands are taken to go the way of the first that float32 wins."""
-        for m in cpu_kernel_plan.TIMED_ROWS:
+    def quant_crossover(self, repeats: int = 2) -> int:
+        """The smallest row count of CROSSOVER_ROWS from which a decode step (all layers, the
+        LM head) is no slower on the float32 layers than on the blocks, min of `repeats` each; 0
+        when float32 wins at 1 row, past CROSSOVER_ROWS[-1] when it never does. Larger steps
+        (prefills) are taken to go the way of the last band timed."""
+        for m in CROSSOVER_ROWS:
             seconds = {}
             for quant in (True, False):
                 step = self._timed_forward(m, quant)
@@ -338,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
                 seconds[quant] = min(_seconds(step) for _ in range(repeats))
             if seconds[False] <= seconds[True]:
                 return 0 if m == 1 else m
-        return cpu_kernel_plan.TIMED_ROWS[-1] + 1
+        return CROSSOVER_ROWS[-1] + 1
 
     def _timed_forward(self, m: int, quant: bool) -> Callable[[], object]:
         """For timing: a decode step of m rows with 2,048 keys in all (at most 256 a row), on
