@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import cpu_info, plt, save, table  # noqa: E402
+from common import cpu_info, plt, requantized, save, table  # noqa: E402
 
 # the default model's GEMMs: name -> (N, K) and how many a decode step runs
 SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30),
@@ -127,43 +127,6 @@ def gemv_main(args) -> None:
     ax.legend(fontsize=8)
     save("benchmark_quant_gemv", {"threads": args.threads, "rows": rows, "step": step_rows,
                                   "q4_k_m_layout": Q4_K_M}, fig)
-
-
-def requantized(qtype_name: str) -> str:
-    """The default model's GGUF with its Q4_1 GEMM weights requantized to qtype_name (gguf's
-    quantizer on the dequantized weights), written once under the cache root."""
-    import gguf
-    import numpy as np
-
-    from vllm import envs
-    from vllm.model_executor.gguf_loader import find_default_model_gguf
-    src = find_default_model_gguf()
-    dst = envs.cache_root() / "gguf" / f"SmolLM2-135M-Instruct.{qtype_name}.requantized.gguf"
-    if dst.exists():
-        return str(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    qtype = gguf.GGMLQuantizationType[qtype_name]
-    reader = gguf.GGUFReader(src)
-    tmp = dst.with_suffix(f".{os.getpid()}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), arch=str(reader.fields["general.architecture"].contents()))
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-    for t in reader.tensors:
-        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:      # the layers' GEMM weights
-            w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-            writer.add_tensor(t.name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(dst)
-    return str(dst)
 
 
 def decode_tok_s(llm, batch: int, tokens: int) -> float:

@@ -15,9 +15,15 @@ the engine, 39-47 for llama.cpp within four minutes), so vs_llamacpp is the medi
 per-pair ratios, with the lowest beside it. llama.cpp's comparable figure is generated tokens /
 total time including prefill, B * output_len / T; its decode-only S_TG is shown beside it.
 
+--weights FORMAT (q4_1, q4_0, q8_0; default f32) runs the engine with --quantization gguf on a GGUF
+of that format and llama.cpp on the same file: the shipped Q4_1 file, or Q4_0 / Q8_0 files
+requantized from it (common.requantized); the torch-path and transformers columns are float32
+only and are left out.
+
     python benchmarks/benchmark_throughput.py            # batch 1, 16, 32
     python benchmarks/benchmark_throughput.py --quick    # batch 1, 16
     python benchmarks/benchmark_throughput.py --threads 2 --batch-sizes 1 8 16 32 --llamacpp DIR
+    python benchmarks/benchmark_throughput.py --threads 2 --llamacpp DIR --weights q4_1
 """
 import statistics
 import subprocess
@@ -119,47 +125,56 @@ def main():
                    help="engine runs per batch size, with --llamacpp each paired with a "
                         "llama-batched-bench run (ABBA order); medians reported (default 3, "
                         "--quick 1)")
+    p.add_argument("--weights", default="f32", choices=["f32", "q4_1", "q4_0", "q8_0"],
+                   help="the default model's weight format, the same GGUF file for the engine "
+                        "(--quantization gguf) and llama.cpp")
     common.add_llamacpp_args(p, "llama-batched-bench, one batch size at a time, taking turns "
                                 "with the engine")
     args = p.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
-    if args.llamacpp and args.model not in (None, "", "default"):
-        p.error("--llamacpp compares on the default model only (its F32 GGUF); drop --model")
+    if (args.llamacpp or args.weights != "f32") and args.model not in (None, "", "default"):
+        p.error("--llamacpp and --weights compare on the default model only; drop --model")
     common.setup(args)
     import transformers
     from vllm import LLM, cpu_kernel_plan
     from vllm import _custom_ops as ops
-    from vllm.model_executor.gguf_loader import resolve_model
+    from vllm.model_executor.gguf_loader import find_default_model_gguf, resolve_model
     batches = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 32])
     model_dir = resolve_model(args.model)
     print(common.machine())
+    f32 = args.weights == "f32"
+    gguf = None if f32 else (find_default_model_gguf() if args.weights == "q4_1"
+                             else common.requantized(args.weights.upper()))
     peer = {}
-    if args.llamacpp:                       # fail early: binary and F32 GGUF before the long runs
+    if args.llamacpp:                       # fail early: binary and GGUF before the long runs
         binary = common.llamacpp_binary(args.llamacpp, "llama-batched-bench")
-        peer = {"gguf": common.default_model_f32_gguf(args.llamacpp, args.peer_scripts),
+        peer = {"gguf": gguf or common.default_model_f32_gguf(args.llamacpp, args.peer_scripts),
                 "version": common.llamacpp_version(binary),
                 "build": common.llamacpp_build(args.llamacpp)}
         print(f"llama.cpp {peer['version']}")
-    llm = LLM(model_dir, max_num_seqs=max(batches))
+    llm = (LLM(model_dir, max_num_seqs=max(batches)) if f32 else
+           LLM(gguf, quantization="gguf", max_num_seqs=max(batches)))
     plan = cpu_kernel_plan.decisions()              # the paths the engine's model chose
     if plan:
         print(f"kernel plan ({plan['source']}): {cpu_kernel_plan.summary(plan)}")
-    with ops.forced_backend("torch"):
-        llm_torch = LLM(model_dir, max_num_seqs=max(batches))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
     tok = llm.get_tokenizer()
     all_prompts = prompts(tok, max(batches), args.prompt_len, args.seed)
     common.generate(llm, [(all_prompts[0], 8)])             # warm-up, every variant
-    with ops.forced_backend("torch"):
-        common.generate(llm_torch, [(all_prompts[0], 8)])
-    hf_generate(hf, all_prompts[:1], 8)
+    if f32:
+        with ops.forced_backend("torch"):
+            llm_torch = LLM(model_dir, max_num_seqs=max(batches))
+            common.generate(llm_torch, [(all_prompts[0], 8)])
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                               dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None
+        hf_generate(hf, all_prompts[:1], 8)
     rows = []
     for b in batches:
         work = [(q, args.output_len) for q in all_prompts[:b]]
-        with ops.forced_backend("torch"):
-            _, t_torch = common.generate(llm_torch, work)
-        t_hf = hf_generate(hf, all_prompts[:b], args.output_len)
+        if f32:
+            with ops.forced_backend("torch"):
+                _, t_torch = common.generate(llm_torch, work)
+            t_hf = hf_generate(hf, all_prompts[:b], args.output_len)
         engine_s, peer_rows = [], []
         order = common.abba_order(rounds, "engine", "llamacpp") if args.llamacpp \
             else ["engine"] * rounds
@@ -173,21 +188,25 @@ def main():
             peer_rows.append(by_batch[b])
         t_engine = statistics.median(engine_s)
         new = b * args.output_len
-        row = {"batch": b, "engine_tok_s": new / t_engine, "torch_path_tok_s": new / t_torch,
-               "hf_tok_s": new / t_hf, "ratio": t_hf / t_engine,
-               "c_vs_torch_path": t_torch / t_engine, "engine_s": t_engine,
-               "torch_path_s": t_torch, "hf_s": t_hf,
+        row = {"batch": b, "engine_tok_s": new / t_engine, "engine_s": t_engine,
                "engine_rounds_tok_s": [new / t for t in engine_s]}
+        if f32:
+            row.update({"torch_path_tok_s": new / t_torch, "hf_tok_s": new / t_hf,
+                        "ratio": t_hf / t_engine, "c_vs_torch_path": t_torch / t_engine,
+                        "torch_path_s": t_torch, "hf_s": t_hf})
         if args.llamacpp:
             row.update(peer_summary(peer_rows, row["engine_rounds_tok_s"], b))
         rows.append(row)
-    cols = ["batch", "engine_tok_s", "torch_path_tok_s", "hf_tok_s", "ratio", "c_vs_torch_path"]
+    cols = ["batch", "engine_tok_s"]
+    if f32:
+        cols += ["torch_path_tok_s", "hf_tok_s", "ratio", "c_vs_torch_path"]
     if args.llamacpp:
         cols += ["llamacpp_tok_s", "llamacpp_decode_tok_s", "vs_llamacpp", "vs_llamacpp_min"]
-    title = (f"Offline generation, {args.prompt_len}-token prompts + {args.output_len} new tokens, "
-             f"output tokens/s ({common.machine()})")
+    title = (f"Offline generation, {args.weights.upper()} weights, {args.prompt_len}-token "
+             f"prompts + {args.output_len} new tokens, output tokens/s ({common.machine()})")
     if args.llamacpp:
-        title += (f"\nllama.cpp ({peer['build']}): llama-batched-bench, F32 GGUF, "
+        title += (f"\nllama.cpp ({peer['build']}): llama-batched-bench, the same "
+                  f"{args.weights.upper()} GGUF, "
                   f"{args.threads} threads, {rounds} rounds per batch taking turns with the "
                   f"engine (ABBA), medians; llamacpp_tok_s = B*{args.output_len}/T incl. "
                   f"prefill, decode = S_TG; vs_llamacpp = median of the per-round ratios "
@@ -196,8 +215,9 @@ def main():
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5.6 if args.llamacpp else 5, 3.2))
     x = list(range(len(rows)))
-    series = [("engine_tok_s", "vllm (this fork)"), ("torch_path_tok_s", "vllm, torch path"),
-              ("hf_tok_s", "transformers generate")]
+    series = [("engine_tok_s", "vllm (this fork)")]
+    if f32:
+        series += [("torch_path_tok_s", "vllm, torch path"), ("hf_tok_s", "transformers generate")]
     if args.llamacpp:
         series.append(("llamacpp_tok_s", "llama.cpp (incl. prefill)"))
     width = 0.8 / len(series)
@@ -215,12 +235,12 @@ def main():
                   loc="upper left")
     ax.set_xticks(x, [f"batch {r['batch']}" for r in rows])
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Offline throughput, default model, fp32, {common.cpu_info()['cores']}-core CPU",
-                 fontsize=9)
+    ax.set_title(f"Offline throughput, default model, {args.weights.upper()}, "
+                 f"{common.cpu_info()['cores']}-core CPU", fontsize=9)
     ax.set_ylim(0, 1.45 * top)                      # room for the legend
     if not args.llamacpp:
         ax.legend(fontsize=8, loc="upper left")
-    common.save("benchmark_throughput", {"args": vars(args), "rows": rows, "table": text,
+    common.save("benchmark_throughput" + ("" if f32 else f"_{args.weights}"), {"args": vars(args), "rows": rows, "table": text,
                                          "kernel_plan": plan, "llamacpp": peer or None}, fig)
 
 

@@ -406,6 +406,44 @@ def add_llamacpp_args(p: argparse.ArgumentParser, what: str) -> None:
                         "(default: $VLLM_PEER_SCRIPTS or %(default)s)")
 
 
+def requantized(qtype_name: str) -> str:
+    """The default model's GGUF with its Q4_1 GEMM weights requantized to qtype_name ("Q4_0",
+    "Q8_0": gguf's quantizer on the dequantized weights; the Q8_0 token embedding kept), written
+    once under the cache root. The engine and llama.cpp then run the same file."""
+    import gguf
+    import numpy as np
+
+    from vllm import envs
+    from vllm.model_executor.gguf_loader import find_default_model_gguf
+    src = find_default_model_gguf()
+    dst = envs.cache_root() / "gguf" / f"SmolLM2-135M-Instruct.{qtype_name}.requantized.gguf"
+    if dst.exists():
+        return str(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    reader = gguf.GGUFReader(src)
+    tmp = dst.with_suffix(f".{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch=str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for t in reader.tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:      # the layers' GEMM weights
+            w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            writer.add_tensor(t.name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(dst)
+    return str(dst)
+
+
 def llamacpp_binary(llamacpp_dir: str, name: str) -> str:
     path = os.path.join(llamacpp_dir, "bin", name)
     if not os.access(path, os.X_OK):
