@@ -7,8 +7,10 @@ over HTTP). SLA = 1.05 x Naive-Evict's p95 request latency at the reference conc
 is a variant's highest-throughput point whose p95 meets the SLA.
 
 Peer mode (--llamacpp DIR): our server (default model, no eviction) and llama.cpp's
-`llama-server` on an F32 GGUF of the same model run side by side; for each client level C (default
-1, 8, 32) both get the same closed-loop waves from the peer scripts' load_client.py: C concurrent
+`llama-server` on the same GGUF file (--weights: f32, the default, is our float32 path against
+an F32 GGUF of the same values; q4_1 / q4_0 / q8_0 run that file's blocks on both) run side by
+side; for each client level C (default 1, 8, 32) both get the same closed-loop waves from the
+peer scripts' load_client.py: C concurrent
 requests of --prompt-len token ids, --output-len new tokens each (greedy, EOS ignored), all awaited,
 repeated --waves times; aggregate tok/s = generated tokens / wave time, median over waves. The
 servers take turns wave by wave (pairs in ABBA order), each with the other one idle, so a drift of
@@ -17,6 +19,7 @@ the shared host moves both alike; paired_ratio is the median of the per-pair rat
     python benchmarks/benchmark_serving.py --quick
     python benchmarks/benchmark_serving.py --url http://127.0.0.1:8000   # scan a running server
     python benchmarks/benchmark_serving.py --threads 2 --llamacpp DIR   # vs llama-server
+    python benchmarks/benchmark_serving.py --threads 2 --llamacpp DIR --weights q4_1
 """
 import asyncio
 import contextlib
@@ -212,7 +215,7 @@ def peer_main(args):
     script = os.path.join(args.peer_scripts, "load_client.py")
     if not os.path.exists(script):
         raise FileNotFoundError(f"{script} not found (set --peer-scripts)")
-    gguf = common.default_model_f32_gguf(args.llamacpp, args.peer_scripts)
+    gguf = common.weights_gguf(args.weights, args.llamacpp, args.peer_scripts)
     version = common.llamacpp_version(common.llamacpp_binary(args.llamacpp, "llama-server"))
     build = common.llamacpp_build(args.llamacpp)
     tok = common.tokenizer_for(None)
@@ -221,6 +224,8 @@ def peer_main(args):
     per_slot = max(512, -(-(plen + olen + 16) // 256) * 256)
     ours_flags = ["--max-num-seqs", str(slots), "--kv-eviction-policy", "none",
                   "--no-enable-prefix-caching"]
+    ours_flags += (["--quantization", "none"] if args.weights == "f32" else
+                   ["--model", gguf, "--quantization", "gguf"])     # llama-server's own file
     info = common.cpu_info()
     print(f"{common.machine()}\nllama.cpp {version}", flush=True)
     with contextlib.ExitStack() as stack:
@@ -247,7 +252,8 @@ def peer_main(args):
     title = (f"Serving vs llama-server: closed-loop waves of C clients, {plen}-token prompts + "
              f"{olen} new tokens, aggregate generated tok/s (median of {waves} waves, the "
              f"servers taking turns), ratio = ours / llama-server, paired = median per-pair "
-             f"ratio; default model, fp32 (llama.cpp: F32 GGUF), "
+             f"ratio; default model, {args.weights.upper()} weights (both: "
+             f"{os.path.basename(gguf)}), "
              f"{args.threads} threads each\nCPU: {info['cores']}-core {info['cpu']}, "
              f"ISA of our C kernels {info['isa']}; llama.cpp {build}"
              + (f"; llama.cpp system_info: {system_info}" if system_info else ""))
@@ -267,7 +273,8 @@ def peer_main(args):
                  f"{info['isa']}", fontsize=8)
     ax.set_ylim(0, 1.3 * max(max(r["ours_tok_s"], r["llamacpp_tok_s"]) for r in rows))
     ax.legend(fontsize=8, loc="upper left")
-    common.save("benchmark_serving_llamacpp", {
+    common.save("benchmark_serving_llamacpp" + ("" if args.weights == "f32" else
+                                                 f"_{args.weights}"), {
         "args": vars(args), "model": "SmolLM2-135M-Instruct (default)", "rows": rows,
         "table": text, "idle_cpu_cores": idle, "ours_flags": ours_flags,
         "llamacpp": {"version": version, "gguf": gguf, "command": peer.cmd,
@@ -297,6 +304,9 @@ def main():
                                 "--output-len apply; the variant scan does not run")
     p.add_argument("--waves", type=int, default=None,
                    help="peer mode: waves per level (default 3, --quick 2)")
+    p.add_argument("--weights", default="f32", choices=common.WEIGHT_FORMATS,
+                   help="peer mode: the default model's weight format, one GGUF file for both "
+                        "servers (ours with --quantization gguf; f32: --quantization none)")
     p.add_argument("--prompt-len", type=int, default=128, help="peer mode prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="peer mode new tokens")
     args = p.parse_args()

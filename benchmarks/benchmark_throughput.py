@@ -125,7 +125,7 @@ def main():
                    help="engine runs per batch size, with --llamacpp each paired with a "
                         "llama-batched-bench run (ABBA order); medians reported (default 3, "
                         "--quick 1)")
-    p.add_argument("--weights", default="f32", choices=["f32", "q4_1", "q4_0", "q8_0"],
+    p.add_argument("--weights", default="f32", choices=common.WEIGHT_FORMATS,
                    help="the default model's weight format, the same GGUF file for the engine "
                         "(--quantization gguf) and llama.cpp")
     common.add_llamacpp_args(p, "llama-batched-bench, one batch size at a time, taking turns "
@@ -138,17 +138,16 @@ def main():
     import transformers
     from vllm import LLM, cpu_kernel_plan
     from vllm import _custom_ops as ops
-    from vllm.model_executor.gguf_loader import find_default_model_gguf, resolve_model
+    from vllm.model_executor.gguf_loader import resolve_model
     batches = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 32])
     model_dir = resolve_model(args.model)
     print(common.machine())
     f32 = args.weights == "f32"
-    gguf = None if f32 else (find_default_model_gguf() if args.weights == "q4_1"
-                             else common.requantized(args.weights.upper()))
+    gguf = common.weights_gguf(args.weights, args.llamacpp, args.peer_scripts)
     peer = {}
     if args.llamacpp:                       # fail early: binary and GGUF before the long runs
         binary = common.llamacpp_binary(args.llamacpp, "llama-batched-bench")
-        peer = {"gguf": gguf or common.default_model_f32_gguf(args.llamacpp, args.peer_scripts),
+        peer = {"gguf": gguf,
                 "version": common.llamacpp_version(binary),
                 "build": common.llamacpp_build(args.llamacpp)}
         print(f"llama.cpp {peer['version']}")

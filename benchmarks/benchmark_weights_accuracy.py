@@ -31,16 +31,8 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 
-FORMATS = ("f32", "q4_1", "q4_0", "q8_0")
+FORMATS = common.WEIGHT_FORMATS
 TOP = 20
-
-
-def gguf_file(fmt: str, llamacpp: Optional[str], peer_scripts: str) -> Optional[str]:
-    """The GGUF both sides run for a format (f32: llama.cpp's F32 file, or None without it)."""
-    from vllm.model_executor.gguf_loader import find_default_model_gguf
-    if fmt == "f32":
-        return common.default_model_f32_gguf(llamacpp, peer_scripts) if llamacpp else None
-    return find_default_model_gguf() if fmt == "q4_1" else common.requantized(fmt.upper())
 
 
 def windows(tok, text: str, ctx: int, chunks: int) -> List[List[int]]:
@@ -123,7 +115,7 @@ def main() -> None:
         f.write(text)
     rows, ref, wins = [], None, None
     for fmt in formats:
-        gguf = gguf_file(fmt, args.llamacpp, args.peer_scripts)
+        gguf = common.weights_gguf(fmt, args.llamacpp, args.peer_scripts)
         llm = engine(fmt, gguf)
         if wins is None:
             wins = windows(llm.get_tokenizer(), text, args.ctx, args.chunks)

@@ -444,6 +444,21 @@ def requantized(qtype_name: str) -> str:
     return str(dst)
 
 
+WEIGHT_FORMATS = ("f32", "q4_1", "q4_0", "q8_0")
+
+
+def weights_gguf(fmt: str, llamacpp_dir: Optional[str] = None,
+                 peer_scripts: str = PEER_SCRIPTS) -> Optional[str]:
+    """The default model's GGUF in a weight format, one file for the engine (--quantization
+    gguf) and llama.cpp: q4_1 the shipped file, q4_0 / q8_0 requantized from it; f32 llama.cpp's
+    F32 file (None without llamacpp_dir: the engine's float32 path, --quantization none, needs
+    no file)."""
+    from vllm.model_executor.gguf_loader import find_default_model_gguf
+    if fmt == "f32":
+        return default_model_f32_gguf(llamacpp_dir, peer_scripts) if llamacpp_dir else None
+    return find_default_model_gguf() if fmt == "q4_1" else requantized(fmt.upper())
+
+
 def llamacpp_binary(llamacpp_dir: str, name: str) -> str:
     path = os.path.join(llamacpp_dir, "bin", name)
     if not os.access(path, os.X_OK):
