@@ -239,8 +239,9 @@ def main():
     ax.set_ylim(0, 1.45 * top)                      # room for the legend
     if not args.llamacpp:
         ax.legend(fontsize=8, loc="upper left")
-    common.save("benchmark_throughput" + ("" if f32 else f"_{args.weights}"), {"args": vars(args), "rows": rows, "table": text,
-                                         "kernel_plan": plan, "llamacpp": peer or None}, fig)
+    name = "benchmark_throughput" + ("" if f32 else f"_{args.weights}")
+    common.save(name, {"args": vars(args), "rows": rows, "table": text, "kernel_plan": plan,
+                       "llamacpp": peer or None}, fig)
 
 
 if __name__ == "__main__":

@@ -938,7 +938,8 @@ ALWAYS_INLINE void decode_packed(const int TYPE, const uint8_t *rec, int nblk, t
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16 * h)));
             __m256 mw = _mm256_setzero_ps();
-            if (TYPE == T_Q4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32 + 16 * h)));
+            if (TYPE == T_Q4_1)
+                mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32 + 16 * h)));
             if (TYPE == T_Q4_0) mw = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
             _mm256_storeu_ps(t[i].d + 8 * h, d);
             _mm256_storeu_ps(t[i].d_hi + 8 * h, d);

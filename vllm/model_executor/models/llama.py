@@ -13,10 +13,10 @@ band the GEMM path (C on packed panels, MKL packed, or x @ Wt), the decode atten
 a decode step runs each layer as one C call; each weight is kept only in the layouts it uses.
 With --quantization gguf the GEMM weights the GGUF holds in Q8_0 / Q4_0 / Q4_1 blocks stay in
 them (QuantLinear, model_executor/quant_linear.py); the C decode layer multiplies them in their
-blocks too (vq_gemm_parts, called through a pointer in its layer struct). With quant_keep_float32 (--quantization auto) the model
-holds both: steps of fewer rows than `quant_below` run the blocks (`quant_layers`, `quant_head`),
-larger ones the float32 layers, the crossover timed once at load on this CPU; a side that wins
-no band is dropped.
+blocks too (vq_gemm_parts, called through a pointer in its layer struct). With
+quant_keep_float32 (--quantization auto) the model holds both: steps of fewer rows than
+`quant_below` run the blocks (`quant_layers`, `quant_head`), larger ones the float32 layers, the
+crossover timed once at load on this CPU; a side that wins no band is dropped.
 """
 import ctypes
 import logging
@@ -353,9 +353,7 @@ class LlamaForCausalLM(nn.Module):
         context = min(256, 2048 // m)
         kv_caches = torch.zeros(len(self.layers), m * context + m, 2, first.num_kv_heads,
                                 first.head_dim)
-        meta = AttentionMetadata(slot_mapping=torch.arange(m * context, m * (context + 1)),
-                                 num_decodes=m, decode_views=torch.arange(m * context).view(m, -1),
-                                 decode_lens=torch.full((m,), context))
+        meta = _timing_decode(m, context)
         ids = torch.randint(self.embed.shape[0], (m,))
         positions = torch.full((m,), min(context, len(self.rotary.cos) - 1))
 
@@ -396,9 +394,7 @@ class LlamaForCausalLM(nn.Module):
         layer_bytes = sum(p.numel() * 4 for p in first.parameters())
         layers = self.layers[:cpu_kernel_plan._copies(layer_bytes, len(self.layers))]
         kv = torch.zeros(m * context + m, 2, first.num_kv_heads, first.head_dim)
-        meta = AttentionMetadata(slot_mapping=torch.arange(m * context, m * (context + 1)),
-                                 num_decodes=m, decode_views=torch.arange(m * context).view(m, -1),
-                                 decode_lens=torch.full((m,), context))
+        meta = _timing_decode(m, context)
         x = self.embed[torch.randint(self.embed.shape[0], (m,))].contiguous()
         position = [min(context, len(self.rotary.cos) - 1)] * m
         cos, sin = self.rotary.cos[position], self.rotary.sin[position]
@@ -484,3 +480,11 @@ def _c_stack(layers: nn.ModuleList):
     if stack is None:
         stack = layers.c_stack = cpu_kernels.layer_stack([layer.fused for layer in layers])
     return stack
+
+
+def _timing_decode(m: int, context: int) -> AttentionMetadata:
+    """For timing: a decode step of m rows, each viewing its own `context` slots (row i slots
+    i * context ..) and writing its new token after all of them."""
+    return AttentionMetadata(slot_mapping=torch.arange(m * context, m * (context + 1)),
+                             num_decodes=m, decode_views=torch.arange(m * context).view(m, -1),
+                             decode_lens=torch.full((m,), context))
