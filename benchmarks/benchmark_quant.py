@@ -2,9 +2,10 @@
 path (--quantization none: the shipped Q4_1 dequantized) against the GGUF's blocks multiplied
 natively (--quantization gguf, csrc/cpu/quant_kernels.c) and the default (--quantization auto:
 the blocks below the batch size timed at load, float32 from there): the shipped Q4_1 file and, with
---formats, Q4_0 / Q8_0 files requantized from it (its GEMM weights dequantized and quantized
-again by gguf's own quantizer, the Q8_0 token embedding kept; written once to the cache), at
-batch 1 / 16 / 32 on this CPU.
+--formats, Q4_0 / Q8_0 / BF16 files requantized from it (its GEMM weights dequantized and
+quantized again by gguf's own quantizer, the Q8_0 token embedding kept; written once to the
+cache; BF16 runs as bf16 panels, model_executor/bf16_linear.py), at batch 1 / 16 / 32 on this
+CPU.
 
 Decode tok/s = batch * (L - 1) / (t(L) - t(1)): a greedy batch generating L tokens minus the same
 batch generating one (its prefill). Every format's engine is built first; then --rounds rounds,
@@ -20,7 +21,7 @@ that together exceed the last-level cache, as a decode step's 30 layers do). Wri
 benchmark_quant_gemv.json and .png.
 
     python benchmarks/benchmark_quant.py [--threads 2] [--batches 1 16 32] [--tokens 33]
-    python benchmarks/benchmark_quant.py --formats fp32 q4_1 q4_0 q8_0 --rounds 3
+    python benchmarks/benchmark_quant.py --formats fp32 q4_1 q4_0 q8_0 bf16 --rounds 3
     python benchmarks/benchmark_quant.py --gemv [--rows 1 16 32]
 """
 import argparse
@@ -203,7 +204,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=33)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--formats", nargs="+", default=["fp32", "q4_1", "auto"],
-                    choices=["fp32", "q4_1", "auto", "q4_0", "q8_0"])
+                    choices=["fp32", "q4_1", "auto", "q4_0", "q8_0", "bf16"])
     ap.add_argument("--name", default="benchmark_quant", help="results file name")
     ap.add_argument("--gemv", action="store_true",
                     help="time single GEMMs of the default model's shapes per GGUF type")

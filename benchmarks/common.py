@@ -408,8 +408,8 @@ def add_llamacpp_args(p: argparse.ArgumentParser, what: str) -> None:
 
 def requantized(qtype_name: str) -> str:
     """The default model's GGUF with its Q4_1 GEMM weights requantized to qtype_name ("Q4_0",
-    "Q8_0": gguf's quantizer on the dequantized weights; the Q8_0 token embedding kept), written
-    once under the cache root. The engine and llama.cpp then run the same file."""
+    "Q8_0", "BF16": gguf's quantizer on the dequantized weights; the Q8_0 token embedding kept),
+    written once under the cache root. The engine and llama.cpp then run the same file."""
     import gguf
     import numpy as np
 
@@ -444,15 +444,15 @@ def requantized(qtype_name: str) -> str:
     return str(dst)
 
 
-WEIGHT_FORMATS = ("f32", "q4_1", "q4_0", "q8_0")
+WEIGHT_FORMATS = ("f32", "q4_1", "q4_0", "q8_0", "bf16")
 
 
 def weights_gguf(fmt: str, llamacpp_dir: Optional[str] = None,
                  peer_scripts: str = PEER_SCRIPTS) -> Optional[str]:
     """The default model's GGUF in a weight format, one file for the engine (--quantization
-    gguf) and llama.cpp: q4_1 the shipped file, q4_0 / q8_0 requantized from it; f32 llama.cpp's
-    F32 file (None without llamacpp_dir: the engine's float32 path, --quantization none, needs
-    no file)."""
+    gguf) and llama.cpp: q4_1 the shipped file, q4_0 / q8_0 / bf16 requantized from it; f32
+    llama.cpp's F32 file (None without llamacpp_dir: the engine's float32 path, --quantization
+    none, needs no file)."""
     from vllm.model_executor.gguf_loader import find_default_model_gguf
     if fmt == "f32":
         return default_model_f32_gguf(llamacpp_dir, peer_scripts) if llamacpp_dir else None

@@ -2,7 +2,7 @@
 tiny llama GGUF written with gguf's own writer whose GEMM weights are such blocks."""
 import numpy as np
 
-from vllm.quant_kernels import BLOCK_BYTES, BLOCK_ELEMS, Q4_K, Q5_0, Q5_1, Q6_K
+from vllm.quant_kernels import BF16, BLOCK_BYTES, BLOCK_ELEMS, Q4_K, Q5_0, Q5_1, Q6_K
 
 # fp16 scale fields of the random-byte types: (byte offset, magnitude range) giving weights of
 # std ~0.05 (Q4_K: d * sc * q has std ~218 d; dmin ~7.5 d centres it)
@@ -15,7 +15,11 @@ _SCALES = {Q5_0: [(0, (1e-3, 1e-2))],
 def random_blocks(rng, n: int, k: int, qtype: int) -> np.ndarray:
     """W [n, k] as uint8 [n, row bytes] of random block bytes whose fp16 scales are finite
     (a quarter of them negative, the first block's zero). Q6_K's int8 sub-block scales are kept
-    within +-40."""
+    within +-40. BF16: normal weights of std 0.05 rounded to bf16, as uint8 [n, 2 k]."""
+    if qtype == BF16:
+        import torch
+        w = torch.from_numpy(rng.normal(0.0, 0.05, (n, k)).astype(np.float32))
+        return w.bfloat16().view(torch.uint8).numpy()
     nblk = k // BLOCK_ELEMS[qtype]
     b = rng.integers(0, 256, (n, nblk, BLOCK_BYTES[qtype]), dtype=np.uint8)
     for offset, (lo, hi) in _SCALES[qtype]:
@@ -38,17 +42,18 @@ LAYER_TYPES = [
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 300
 
 
-def write_llama_gguf(path: str, seed: int = 0) -> str:
+def write_llama_gguf(path: str, seed: int = 0, layer_types=LAYER_TYPES, embd: int = Q4_K,
+                     output: int = Q6_K) -> str:
     """A 2-layer llama GGUF (hidden 256, 4 heads / 2 KV heads, intermediate 512) with a
-    byte-level vocabulary of 300: GEMM weights random blocks of LAYER_TYPES, the token embedding
-    Q4_K, the output Q6_K, the norms float32."""
+    byte-level vocabulary of 300: GEMM weights random blocks of `layer_types`, the token
+    embedding `embd`, the output `output`, the norms float32."""
     import gguf
     from tokenizers import pre_tokenizers
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")
     w.add_context_length(1024)
     w.add_embedding_length(HIDDEN)
-    w.add_block_count(len(LAYER_TYPES))
+    w.add_block_count(len(layer_types))
     w.add_feed_forward_length(INTERMEDIATE)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
@@ -69,14 +74,14 @@ def write_llama_gguf(path: str, seed: int = 0) -> str:
     def quant(name, n, k, qtype):
         w.add_tensor(name, random_blocks(rng, n, k, qtype),
                      raw_dtype=gguf.GGMLQuantizationType(qtype))
-    quant("token_embd.weight", VOCAB, HIDDEN, Q4_K)
-    quant("output.weight", VOCAB, HIDDEN, Q6_K)
+    quant("token_embd.weight", VOCAB, HIDDEN, embd)
+    quant("output.weight", VOCAB, HIDDEN, output)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     kv = KV_HEADS * HIDDEN // HEADS
     shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
               "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTERMEDIATE, HIDDEN),
               "ffn_up": (INTERMEDIATE, HIDDEN), "ffn_down": (HIDDEN, INTERMEDIATE)}
-    for layer, types in enumerate(LAYER_TYPES):
+    for layer, types in enumerate(layer_types):
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(HIDDEN, np.float32))
         for name, (n, k) in shapes.items():

@@ -139,8 +139,9 @@ def test_statistics_read_from_one_flat_host_copy(tiny_llama):
 def test_bfloat16_on_cpu_with_eviction_runs(tiny_llama):
     """The torch decode path with attention mass in bf16 (what a CUDA machine without Triton
     runs): scores and probabilities in float32, values in bf16."""
-    llm = LLM(tiny_llama, dtype="bfloat16", num_gpu_blocks_override=64,
-              kv_eviction_policy="h2o", kv_min_tokens=0, kv_check_invariants=True)
+    with ops.forced_backend("torch"):
+        llm = LLM(tiny_llama, dtype="bfloat16", num_gpu_blocks_override=64,
+                  kv_eviction_policy="h2o", kv_min_tokens=0, kv_check_invariants=True)
     out = llm.generate([{"prompt_token_ids": p} for p in random_prompts(2, seed=4, lo=20,
                                                                         hi=40)],
                        GREEDY, use_tqdm=False)

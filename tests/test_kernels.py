@@ -230,12 +230,17 @@ def test_isa_detection_and_forcing(monkeypatch):
 # rows, avx512 after 8)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 13, 15, 16, 17, 33, 200])
 @pytest.mark.parametrize("k,n", [(5, 7), (64, 48), (96, 200)])       # n not a multiple of 16 too
-def test_packed_gemm_matches_torch(isa, m, k, n):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_packed_gemm_matches_torch(isa, m, k, n, bf16):
+    """float32 panels, and bf16 ones against a float64 reference of the bf16 values (widened
+    exactly, float32 accumulation: the same bound)."""
     g = torch.Generator().manual_seed(m * k + n)
     x, w, bias = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g), \
         torch.randn(n, generator=g)
     res = torch.randn(m, n, generator=g)
-    packed = cpu_kernels.pack_weight(w)
+    packed = cpu_kernels.pack_weight(w, bf16=bf16)
+    assert packed.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    w = w.bfloat16().float() if bf16 else w
     for prefetch in (True, False):
         assert rel_err(cpu_kernels.packed_gemm(x, packed, n, prefetch=prefetch),
                        x.double() @ w.double()) < 1e-6
@@ -252,11 +257,19 @@ def test_packed_gemm_row_blocks_in_place(isa, m):
     x, w, bias = torch.randn(m, 2048, generator=g), torch.randn(2048, 40, generator=g), \
         torch.randn(40, generator=g)
     y = torch.randn(m, 40, generator=g)
+    y16 = y.clone()
     expect = x.double() @ w.double() + bias.double() + y.double()
     packed = cpu_kernels.pack_weight(w)
     cpu_kernels._library().vtok_packed_gemm(x.data_ptr(), m, 2048, packed.data_ptr(), 40,
                                             bias.data_ptr(), y.data_ptr(), y.data_ptr(), 1)
     assert rel_err(y, expect) < 4e-6        # fp32 sums over K = 2048
+    w16 = w.bfloat16().float()
+    expect = x.double() @ w16.double() + bias.double() + y16.double()
+    packed = cpu_kernels.pack_weight(w, bf16=True)
+    cpu_kernels._library().vtok_packed_gemm_bf16(x.data_ptr(), m, 2048, packed.data_ptr(), 40,
+                                                 bias.data_ptr(), y16.data_ptr(), y16.data_ptr(),
+                                                 1)
+    assert rel_err(y16, expect) < 4e-6
 
 
 @cpu_built

@@ -61,7 +61,8 @@ class LayerWeights(ctypes.Structure):
                 *((name, _ptr) for name in ("ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2",
                                             "gate_up", "down")),
                 *((name, ctypes.POINTER(BlockWeight))
-                  for name in ("qkv_q", "o_q", "gate_up_q", "down_q"))]
+                  for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
+                ("bf16", _i64)]          # 1: the packed GEMMs hold bf16 (pack_weight(bf16=))
 
 
 def _cpu_model() -> str:
@@ -143,6 +144,8 @@ def library(isa: str, source: Optional[Path] = None) -> Optional[ctypes.CDLL]:
     lib.vtok_isa.restype = ctypes.c_char_p
     lib.vtok_packed_gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int]
     lib.vtok_packed_gemm.restype = None
+    lib.vtok_packed_gemm_bf16.argtypes = lib.vtok_packed_gemm.argtypes
+    lib.vtok_packed_gemm_bf16.restype = None
     lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                                           _f32, _ptr, _i64, _ptr, _ptr, _i64, _int, _f32, _f32]
     lib.vtok_decode_attention.restype = None
@@ -191,13 +194,14 @@ def packed_shape(k: int, n: int, isa: Optional[str] = None) -> Tuple[int, int, i
 
 
 def pack_weight(wt: torch.Tensor, out: Optional[torch.Tensor] = None,
-                isa: Optional[str] = None) -> torch.Tensor:
+                isa: Optional[str] = None, bf16: bool = False) -> torch.Tensor:
     """wt [K, N] float32 -> panels [ceil(N / PANEL), K, PANEL] (zero columns past N), PANEL =
     the panel width of `isa` (default: the active variant); written into `out` (of
-    packed_shape(K, N)) if given."""
+    packed_shape(K, N)) if given. bf16: the panels in bfloat16 (wt rounded to nearest even;
+    exact for weights that are bf16 already), multiplied by vtok_packed_gemm_bf16."""
     k, n = wt.shape
     panels, _, width = packed_shape(k, n, isa)
-    padded = torch.zeros(k, panels * width, dtype=torch.float32)
+    padded = torch.zeros(k, panels * width, dtype=torch.bfloat16 if bf16 else torch.float32)
     padded[:, :n] = wt
     # PANEL 8: [K, P * 8] -> [K, P, 8] -> [P, K, 8]: panel p holds columns 8p .. 8p + 7
     panels_view = padded.view(k, panels, width).permute(1, 0, 2)
@@ -210,8 +214,8 @@ def pack_weight(wt: torch.Tensor, out: Optional[torch.Tensor] = None,
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
                 bias: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None, prefetch: bool = True) -> torch.Tensor:
-    """x [M, K] float32 @ the [K, n] weight that `packed` holds (+ bias [n])
-    (+ residual [M, n]) -> [M, n]. prefetch False: no next-panel prefetch in decode passes
+    """x [M, K] float32 @ the [K, n] weight that `packed` holds, float32 or bfloat16 (+ bias
+    [n]) (+ residual [M, n]) -> [M, n]. prefetch False: no next-panel prefetch in decode passes
     (KernelPlan.prefetch says which is faster at M rows)."""
     x = x.contiguous()
     m, k = x.shape
@@ -219,11 +223,12 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
     if residual is not None:
         residual = residual.contiguous()
         assert residual.shape == (m, n) and residual.dtype == torch.float32
+    assert packed.dtype in (torch.float32, torch.bfloat16) and packed.is_contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    _library().vtok_packed_gemm(x.data_ptr(), m, k, packed.data_ptr(), n,
-                                None if bias is None else bias.data_ptr(),
-                                None if residual is None else residual.data_ptr(), y.data_ptr(),
-                                prefetch)
+    gemm = (_library().vtok_packed_gemm_bf16 if packed.dtype == torch.bfloat16
+            else _library().vtok_packed_gemm)
+    gemm(x.data_ptr(), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
+         None if residual is None else residual.data_ptr(), y.data_ptr(), prefetch)
     return y
 
 

@@ -29,6 +29,8 @@ BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q6_K
 BLOCK_ELEMS = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
               Q4_K: "Q4_K", Q6_K: "Q6_K"}
+BF16 = 30               # GGML's bfloat16: no blocks; the float32 GEMM's bf16 panels take it
+TYPE_NAMES[BF16] = "BF16"
 BLOCK = 32              # the activations' block
 MAX_PARTS = 8           # weights per gemm_parts call
 PACKED = 0x100          # qtype flag: the weight is in repack()'s layout

@@ -53,12 +53,27 @@
 
 typedef float vec __attribute__((vector_size(4 * VEC)));
 typedef int32_t ivec __attribute__((vector_size(4 * VEC)));
+typedef uint32_t uvec __attribute__((vector_size(4 * VEC)));
+typedef uint16_t hvec __attribute__((vector_size(2 * VEC)));
 
 static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 /* s - 0 is s for every s, so this is one broadcast; (vec){0} + s would keep an add per call
    (-0 + 0 is +0, so the compiler may not drop it) */
 static inline vec splat(float s) { return s - (vec){0}; }
+/* VEC weights from a packed panel at element i: float32, or bf16 (bf16 = 1) widened exactly (a
+   bf16 is the top half of a float32: 0x3f80 -> 0x3f800000 = 1.0f); bf16 is a compile-time
+   constant at every call site */
+static inline __attribute__((always_inline)) vec load_w(const void *panel, int64_t i,
+                                                        const int bf16) {
+  if (!bf16) return load((const float *)panel + i);
+  hvec h;
+  memcpy(&h, (const uint16_t *)panel + i, sizeof h);
+  uvec bits = __builtin_convertvector(h, uvec) << 16;
+  vec v;
+  memcpy(&v, &bits, sizeof v);
+  return v;
+}
 static inline float hsum(vec v) {
   float s = 0.f;
   for (int i = 0; i < VEC; i++) s += v[i];
@@ -104,20 +119,21 @@ static inline __attribute__((always_inline)) void store_rows(
 }
 
 static inline __attribute__((always_inline)) void panel_pass(
-    const float *x, int64_t K, const float *panel, float *y, int64_t N, int cols,
-    const float *bias, const float *residual, const float *pf, int64_t pf_step, const int rows,
-    const int width) {
+    const float *x, int64_t K, const void *panel, float *y, int64_t N, int cols,
+    const float *bias, const float *residual, const char *pf, int64_t pf_step, const int rows,
+    const int width, const int bf16) {
+  const int es = bf16 ? 2 : 4;    /* bytes per weight */
   vec acc[TILE][2];
   for (int m = 0; m < rows; m++)
     for (int v = 0; v < width; v++) acc[m][v] = splat(0.f);
-  /* pf_at: floats into pf, 16.16 fixed point in a general register (a float would take the
+  /* pf_at: weights into pf, 16.16 fixed point in a general register (a float would take the
      vector register the 6 x 2 AVX2 block has no room for) */
   int64_t pf_at = 0;
   for (int64_t k = 0; k < K; k++, pf_at += pf_step) {
     if (pf)   /* loop-invariant: the compiler unswitches it */
-      for (int v = 0; v < width; v++) __builtin_prefetch(pf + (pf_at >> 16) + 16 * v, 0, 2);
+      for (int v = 0; v < width; v++) __builtin_prefetch(pf + (pf_at >> 16) * es + 64 * v, 0, 2);
     vec w[2];
-    for (int v = 0; v < width; v++) w[v] = load(panel + v * K * PANEL + k * PANEL);
+    for (int v = 0; v < width; v++) w[v] = load_w(panel, v * K * PANEL + k * PANEL, bf16);
     for (int m = 0; m < rows; m++) {
       vec b = splat(x[m * K + k]);
       for (int v = 0; v < width; v++) acc[m][v] += b * w[v];
@@ -134,23 +150,25 @@ static inline __attribute__((always_inline)) void panel_pass(
    row at 33-34 GB/s and splits 2-4 at 29-30 (batch-1 decode 52 -> 57 tok/s), so SPLIT_1ROW is
    1 there. */
 static inline __attribute__((always_inline)) void panel_pass_split(
-    const float *x, int64_t K, const float *panel, float *y, int64_t N, int cols,
-    const float *bias, const float *residual, const float *pf, const int rows,
-    const int split) {
+    const float *x, int64_t K, const void *panel, float *y, int64_t N, int cols,
+    const float *bias, const float *residual, const char *pf, const int rows,
+    const int split, const int bf16) {
+  const int es = bf16 ? 2 : 4;
   vec acc[3][4];
   for (int m = 0; m < rows; m++)
     for (int s = 0; s < split; s++) acc[m][s] = splat(0.f);
   int64_t k = 0;
   for (; k + split <= K; k += split) {
     if (pf)   /* loop-invariant: the compiler unswitches it */
-      for (int f = 0; f < split * PANEL; f += 16) __builtin_prefetch(pf + k * PANEL + f, 0, 2);
+      for (int f = 0; f < split * PANEL * es; f += 64)
+        __builtin_prefetch(pf + k * PANEL * es + f, 0, 2);
     for (int s = 0; s < split; s++) {
-      vec w = load(panel + (k + s) * PANEL);
+      vec w = load_w(panel, (k + s) * PANEL, bf16);
       for (int m = 0; m < rows; m++) acc[m][s] += splat(x[m * K + k + s]) * w;
     }
   }
   for (; k < K; k++) {
-    vec w = load(panel + k * PANEL);
+    vec w = load_w(panel, k * PANEL, bf16);
     for (int m = 0; m < rows; m++) acc[m][0] += splat(x[m * K + k]) * w;
   }
   vec sum[TILE][2];
@@ -163,23 +181,23 @@ static inline __attribute__((always_inline)) void panel_pass_split(
 
 /* a case for every row count up to 16; those past this build's tile are never reached */
 #define PASS(r, w) case r: \
-  if (r <= (w == 1 ? ROWS : PAIR_ROWS)) panel_pass(xm, K, panel, ym, N, cols, bias_p, res, pf, pf_step, r, w); \
+  if (r <= (w == 1 ? ROWS : PAIR_ROWS)) panel_pass(xm, K, panel, ym, N, cols, bias_p, res, pf, pf_step, r, w, bf16); \
   break;
 #define PASSES(w) PASS(1, w) PASS(2, w) PASS(3, w) PASS(4, w) PASS(5, w) PASS(6, w) PASS(7, w) \
   PASS(8, w) PASS(9, w) PASS(10, w) PASS(11, w) PASS(12, w) PASS(13, w) PASS(14, w) \
   PASS(15, w) PASS(16, w)
 
 /* rows m0 .. m0 + M of a packed GEMM, over panels p .. p + width (see vtok_packed_gemm) */
-static void panel_rows(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
-                       const float *bias, const float *residual, float *y, int64_t p,
-                       int64_t step, int prefetch) {
-  const int64_t panels = (N + PANEL - 1) / PANEL;
-  const float *panel = packed + p * K * PANEL;
+static inline __attribute__((always_inline)) void panel_rows(
+    const float *x, int64_t M, int64_t K, const void *packed, int64_t N, const float *bias,
+    const float *residual, float *y, int64_t p, int64_t step, int prefetch, const int bf16) {
+  const int64_t panels = (N + PANEL - 1) / PANEL, es = bf16 ? 2 : 4;
+  const char *panel = (const char *)packed + p * K * PANEL * es;
   const int width = p + step <= panels ? (int)step : 1;
   const int cols = N - p * PANEL < width * PANEL ? (int)(N - p * PANEL) : width * PANEL;
   const float *bias_p = bias ? bias + p * PANEL : NULL;
   const int64_t tile = width == 2 ? PAIR_ROWS : ROWS, passes = (M + tile - 1) / tile;
-  const float *next = panel + width * K * PANEL;
+  const char *next = panel + width * K * PANEL * es;
 #if PREFILL_PREFETCH
   const int64_t spread = passes < PREFETCH_PASSES ? passes : PREFETCH_PASSES;
 #else
@@ -207,16 +225,18 @@ static void panel_rows(const float *x, int64_t M, int64_t K, const float *packed
        build 1.01-1.03x (interleaved, same weights; not measured elsewhere). The two forms
        are kept apart: merged into one expression the avx512 build's prefill ran 3% slower. */
 #if PREFILL_PREFETCH
-    const float *pf = (passes > PREFETCH_PASSES || prefetch) && m0 / tile < spread
-                      ? next + (m0 / tile) * share : NULL;
+    const char *pf = (passes > PREFETCH_PASSES || prefetch) && m0 / tile < spread
+                     ? next + (m0 / tile) * share * es : NULL;
 #else
-    const float *pf = prefetch && passes <= PREFETCH_PASSES ? next + (m0 / tile) * share : NULL;
+    const char *pf = prefetch && passes <= PREFETCH_PASSES ? next + (m0 / tile) * share * es
+                                                           : NULL;
 #endif
     const int64_t pf_step = (share << 16) / K;
     if (width == 1 && rows <= 3) {
-      if (rows == 1) panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 1, SPLIT_1ROW);
-      else if (rows == 2) panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 2, 2);
-      else panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 3, 2);
+      if (rows == 1)
+        panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 1, SPLIT_1ROW, bf16);
+      else if (rows == 2) panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 2, 2, bf16);
+      else panel_pass_split(xm, K, panel, ym, N, cols, bias_p, res, pf, 3, 2, bf16);
     } else if (width == 1) {
       switch (rows) { PASSES(1) }
     } else {
@@ -238,8 +258,9 @@ static void panel_rows(const float *x, int64_t M, int64_t K, const float *packed
    before: 187-203) and 384-395 with avx512. Block rows for K = 576: 262144 / 2304 = 113 -> 108
    (a multiple of the tile), at least PREFETCH_PASSES tiles. */
 #define X_BLOCK_BYTES (256 * 1024)
-void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
-                      const float *bias, const float *residual, float *y, int prefetch) {
+static inline __attribute__((always_inline)) void packed_gemm(
+    const float *x, int64_t M, int64_t K, const void *packed, int64_t N, const float *bias,
+    const float *residual, float *y, int prefetch, const int bf16) {
   const int64_t panels = (N + PANEL - 1) / PANEL, step = M <= ROWS ? 1 : 2;
   const int64_t tile = step == 2 ? PAIR_ROWS : ROWS;
   int64_t block = M;
@@ -254,8 +275,22 @@ void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed,
 #pragma omp for schedule(static) nowait
     for (int64_t p = 0; p < panels; p += step)
       panel_rows(x + b0 * K, rows, K, packed, N, bias, residual ? residual + b0 * N : NULL,
-                 y + b0 * N, p, step, prefetch);
+                 y + b0 * N, p, step, prefetch, bf16);
   }
+}
+
+void vtok_packed_gemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
+                      const float *bias, const float *residual, float *y, int prefetch) {
+  packed_gemm(x, M, K, packed, N, bias, residual, y, prefetch, 0);
+}
+
+/* the same with bf16 weights (the float32 panels' layout, 2-byte elements: half the stream),
+   widened exactly in registers; x, the accumulation and y stay float32, so y is x @ W for the
+   float32 values of the bf16 weights, summed in the float32 GEMM's order */
+void vtok_packed_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *packed,
+                           int64_t N, const float *bias, const float *residual, float *y,
+                           int prefetch) {
+  packed_gemm(x, M, K, packed, N, bias, residual, y, prefetch, 1);
 }
 
 /* ---- decode attention -------------------------------------------------------------------------
@@ -757,15 +792,20 @@ typedef struct {
   float eps, scale;
   const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *down;   /* GEMMs packed */
   const vtok_qweight *qkv_q, *o_q, *gate_up_q, *down_q;   /* or, where not NULL, in blocks */
+  int64_t bf16;           /* 1: the packed GEMMs hold bf16 (vtok_packed_gemm_bf16) */
 } vtok_layer;
 
-/* y = x @ W (+ bias) (+ residual) with W packed float32 or, given qw, in GGUF blocks; 0, or
-   -1 where the block GEMM failed (no memory for its quantized activations) */
-static int layer_gemm(const float *x, int64_t M, int64_t K, const float *packed,
-                      const vtok_qweight *qw, int64_t N, const float *bias,
+/* y = x @ W (+ bias) (+ residual) with W packed (float32, or bf16 where L->bf16) or, given qw,
+   in GGUF blocks; 0, or -1 where the block GEMM failed (no memory for its quantized
+   activations) */
+static int layer_gemm(const vtok_layer *L, const float *x, int64_t M, int64_t K,
+                      const float *packed, const vtok_qweight *qw, int64_t N, const float *bias,
                       const float *residual, float *y, int prefetch) {
   if (qw) return qw->gemm((int)qw->nparts, qw->types, qw->ws, qw->ns, K, x, M, bias, residual, y);
-  vtok_packed_gemm(x, M, K, packed, N, bias, residual, y, prefetch);
+  if (L->bf16)
+    vtok_packed_gemm_bf16(x, M, K, (const uint16_t *)packed, N, bias, residual, y, prefetch);
+  else
+    vtok_packed_gemm(x, M, K, packed, N, bias, residual, y, prefetch);
   return 0;
 }
 
@@ -788,16 +828,16 @@ int vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos
   float *h = scratch, *qkv = h + M * E, *q = qkv + M * QKV, *attn = q + M * HD;
   float *gate_up = attn + M * HD, *act = gate_up + M * 2 * I, *probs = act + M * I;
   vtok_rms_norm(x, M, E, L->ln1, L->eps, h);
-  if (layer_gemm(h, M, E, L->qkv, L->qkv_q, QKV, L->qkv_bias, NULL, qkv, prefetch)) return -1;
+  if (layer_gemm(L, h, M, E, L->qkv, L->qkv_q, QKV, L->qkv_bias, NULL, qkv, prefetch)) return -1;
   vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q, fmt, k_scale, v_scale);
   vtok_decode_attention(q, kv, views, ld_views, lens, M, H, KVH, D, L->scale, probs, lmax, attn,
                         mass, ld_mass, fmt, k_scale, v_scale);
-  if (layer_gemm(attn, M, HD, L->o, L->o_q, E, L->o_bias, x, x, prefetch)) return -1;
+  if (layer_gemm(L, attn, M, HD, L->o, L->o_q, E, L->o_bias, x, x, prefetch)) return -1;
   vtok_rms_norm(x, M, E, L->ln2, L->eps, h);
-  if (layer_gemm(h, M, E, L->gate_up, L->gate_up_q, 2 * I, NULL, NULL, gate_up, prefetch))
+  if (layer_gemm(L, h, M, E, L->gate_up, L->gate_up_q, 2 * I, NULL, NULL, gate_up, prefetch))
     return -1;
   vtok_silu_mul(gate_up, M, I, act);
-  return layer_gemm(act, M, I, L->down, L->down_q, E, NULL, x, x, prefetch);
+  return layer_gemm(L, act, M, I, L->down, L->down_q, E, NULL, x, x, prefetch);
 }
 
 /* The whole decoder stack for one decode step: vtok_decode_layer for layers[0 .. n), layer i's

@@ -16,7 +16,8 @@ from vllm.engine.stop_checker import StopChecker
 from vllm.executor.executor_base import ExecutorBase
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.model_executor.gguf_loader import resolve_model, resolve_quantization
-from vllm.model_executor.model_loader import GGUF_KEEP_FLOAT32_ATTR, GGUF_QUANT_ATTR
+from vllm.model_executor.model_loader import (GGUF_KEEP_FLOAT32_ATTR, GGUF_QUANT_ATTR,
+                                              resolve_cpu_dtype)
 from vllm.model_executor.sampler import (Sampler, SamplerOutput, SamplingRow,
                                          compute_prompt_logprobs)
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -61,8 +62,10 @@ class LLMEngine:
         self.simulated = args.load_format == "simulate"
         self.device_config = DeviceConfig(self._device(args))
         self.device = self.device_config.torch_device
+        dtype = resolve_cpu_dtype(args.dtype, self.device_config.device, hf_config,
+                                  parallel_config.tensor_parallel_size, quantization)
         self.model_config = ModelConfig(model=model_dir, tokenizer=args.tokenizer or model_dir,
-                                        dtype=args.dtype, max_model_len=max_len, seed=args.seed,
+                                        dtype=dtype, max_model_len=max_len, seed=args.seed,
                                         enforce_eager=args.enforce_eager,
                                         device=self.device_config.device,
                                         load_format=args.load_format, hf_config=hf_config,

@@ -6,7 +6,7 @@ at a time)."""
 import glob
 import logging
 import os
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from transformers import AutoConfig
@@ -28,32 +28,68 @@ logger = logging.getLogger(__name__)
 # weights --quantization gguf keeps
 GGUF_QUANT_ATTR = "vllm_gguf_quantized_file"
 GGUF_KEEP_FLOAT32_ATTR = "vllm_gguf_keep_float32"     # --quantization auto: float32 kept too
+# CPU bf16 weights (resolve_cpu_dtype): "bfloat16" (--dtype bfloat16) or "auto" (a bf16
+# checkpoint under --dtype auto, kept in float32 too and timed against it)
+BF16_WEIGHTS_ATTR = "vllm_bf16_weights"
 
 
-def _gguf_blocks(hf_config, dtype: str, device: torch.device, tp: TPGroup,
-                 load_format: str) -> Optional[dict]:
-    """The GGUF block weights to keep quantized, or None: float32 everywhere (with one log line
-    where --quantization gguf was asked for but cannot run here)."""
-    path = getattr(hf_config, GGUF_QUANT_ATTR, None)
-    if not path or load_format == "dummy":
-        return None
+def resolve_cpu_dtype(dtype: str, device: str, hf_config, tp_size: int,
+                      quantization: str) -> str:
+    """The compute dtype of a model on `device`, marking hf_config where its GEMM weights stay
+    in bf16 on the CPU (BF16_WEIGHTS_ATTR): --dtype bfloat16, or --dtype auto on a checkpoint
+    whose own dtype is bfloat16; activations, accumulation and the KV cache (--kv-cache-dtype
+    auto) are float32 then. Tensor parallelism, or no C kernels (VLLM_KERNEL_BACKEND=torch),
+    keeps torch's bf16 path (--dtype bfloat16) or float32 (auto)."""
+    from vllm import _custom_ops as ops
+    own = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    mode = ("bfloat16" if dtype == "bfloat16" else
+            "auto" if dtype == "auto" and str(own).removeprefix("torch.") == "bfloat16"
+            else None)
+    if device != "cpu" or tp_size > 1 or quantization == "gguf" or mode is None or \
+            not ops.cpu_kernels_enabled():
+        return dtype
+    setattr(hf_config, BF16_WEIGHTS_ATTR, mode)
+    return "float32"
+
+
+def _no_block_kernels(dtype: str, device: torch.device, tp: TPGroup,
+                      bf16: bool) -> Optional[str]:
+    """Why the CPU block (bf16: the float32 GEMM's bf16) kernels cannot run this model, or
+    None."""
+    from vllm import _custom_ops as ops
+    from vllm import quant_kernels
     why = ("tensor parallelism" if tp.world_size > 1 else
            f"dtype {dtype}" if dtype != "float32" else
            f"device {device.type}" if device.type != "cpu" else None)
-    if why is None:
-        from vllm import quant_kernels
-        if not quant_kernels.available():
-            why = "no C compiler (or VLLM_CPU_KERNELS=0)"
+    if why is None and not (ops.cpu_kernels_enabled() if bf16 else quant_kernels.available()):
+        why = "no C compiler (or VLLM_CPU_KERNELS=0)"
+    return why
+
+
+def _block_weights(hf_config, dtype: str, device: torch.device, tp: TPGroup,
+                   load_format: str, weights: Dict[str, torch.Tensor]) -> Tuple[dict, bool]:
+    """The GEMM weights to keep in GGUF blocks or in bf16 (HF name -> QuantWeight; empty:
+    float32 everywhere, with one log line where they were asked for but cannot run here), and
+    whether the float32 layers are kept too (timed against them: the "auto" settings)."""
+    from vllm.model_executor import quant_linear
+    bf16 = getattr(hf_config, BF16_WEIGHTS_ATTR, None)
+    path = getattr(hf_config, GGUF_QUANT_ATTR, None) if load_format != "dummy" else None
+    if not bf16 and not path:
+        return {}, False
+    flag = f"--dtype {bf16}" if bf16 else "--quantization gguf"
+    why = _no_block_kernels(dtype, device, tp, bool(bf16))
     if why is not None:
-        logger.info("--quantization gguf: the CPU block kernels do not cover %s; the model runs "
-                    "dequantized in float32", why)
-        return None
-    from vllm.model_executor.quant_linear import load_gguf_linears
-    quant = load_gguf_linears(path, hf_config)
+        logger.info("%s: the CPU kernels do not cover %s; the model runs in float32", flag, why)
+        return {}, False
+    if bf16:
+        quant = quant_linear.bf16_weights(weights)
+        logger.info("%s: %d GEMM weights kept in bf16", flag, len(quant))
+        return quant, bf16 == "auto"
+    quant = quant_linear.load_gguf_linears(path, hf_config)
     kinds = sorted({w.type_name for w in quant.values()})
     logger.info("--quantization gguf: %d GEMM weights kept in %s blocks", len(quant),
                 "/".join(kinds) or "no")
-    return quant
+    return quant, getattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, False)
 
 
 def load_hf_config(model_dir: str):
@@ -148,11 +184,11 @@ def get_model(model_dir: str, hf_config, dtype: str, max_model_len: int,
         weights = dummy_state_dict(hf_config, seed, device, DTYPES[dtype], shards)
     else:
         weights = load_state_dict(model_dir, device, DTYPES[dtype], shards)
-    quant = _gguf_blocks(hf_config, dtype, device, tp, load_format)
+    quant, keep_float32 = _block_weights(hf_config, dtype, device, tp, load_format, weights)
     with torch.no_grad():
         if quant:
             model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device, tp, quant=quant,
-                        quant_keep_float32=getattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, False))
+                        quant_keep_float32=keep_float32)
         else:
             model = cls(hf_config, weights, DTYPES[dtype], max_model_len, device, tp)
     return model.eval()

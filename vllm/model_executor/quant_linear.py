@@ -1,6 +1,8 @@
 """GGUF block-quantized linear layers (--quantization gguf): the GGUF's Q8_0 / Q4_0 / Q4_1 /
 Q5_0 / Q5_1 / Q4_K / Q6_K weights are kept in their blocks and multiplied natively on the CPU
-(csrc/cpu/quant_kernels.c via vllm/quant_kernels.py), instead of dequantized to float32.
+(csrc/cpu/quant_kernels.c via vllm/quant_kernels.py), instead of dequantized to float32; its
+BF16 weights stay in bfloat16 (BF16Linear, model_executor/bf16_linear.py), as do a bf16
+checkpoint's under --dtype bfloat16 (bf16_weights).
 
 `load_gguf_linears` reads the block-quantized GEMM weights of a llama GGUF (q/k/v/o, gate/up/down
 and the output projection, or the token embedding when tied) under their HF names; anything
@@ -11,6 +13,7 @@ dim, each in its own type (a Q4_K_M file mixes Q4_K and Q6_K in one fused Q/K/V)
 import ctypes
 import functools
 import logging
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -21,6 +24,9 @@ from torch import nn
 from vllm import quant_kernels
 
 logger = logging.getLogger(__name__)
+# the GEMM weights of a llama checkpoint (HF names); the LM head is "lm_head.weight"
+_LAYER_GEMM_RE = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
 
 
 @dataclass
@@ -65,12 +71,13 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
         else:
             continue
         qtype = int(tensor.tensor_type)
-        if qtype not in quant_kernels.BLOCK_BYTES:
+        if qtype not in quant_kernels.BLOCK_BYTES and qtype != quant_kernels.BF16:
             skipped[tensor.tensor_type.name] = skipped.get(tensor.tensor_type.name, 0) + 1
             continue
         k, n = (int(d) for d in tensor.shape)           # GGML order: (in, out)
-        blocks = np.array(tensor.data, dtype=np.uint8).reshape(n, -1)   # copy off the memmap
-        assert blocks.shape[1] == quant_kernels.row_bytes(qtype, k)
+        blocks = np.array(np.asarray(tensor.data).view(np.uint8)).reshape(n, -1)   # off the memmap
+        assert blocks.shape[1] == (2 * k if qtype == quant_kernels.BF16
+                                   else quant_kernels.row_bytes(qtype, k))
         if base == "attn_q":
             blocks = gl._reverse_llama_permute(blocks, n_head)
         elif base == "attn_k":
@@ -83,15 +90,38 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
     return out
 
 
+def bf16_weights(weights: Dict[str, torch.Tensor]) -> Dict[str, QuantWeight]:
+    """HF weight name -> its bf16 QuantWeight for every GEMM weight of a llama state dict (rounded
+    to bf16: exact where the checkpoint is bf16); the LM head is the embedding where tied."""
+    def bf16(t: torch.Tensor) -> QuantWeight:
+        t = t.to(torch.bfloat16).contiguous()
+        return QuantWeight(t.view(torch.uint8), quant_kernels.BF16, tuple(t.shape))
+    out = {name: bf16(t) for name, t in weights.items() if _LAYER_GEMM_RE.fullmatch(name)}
+    out["lm_head.weight"] = bf16(weights.get("lm_head.weight",
+                                             weights["model.embed_tokens.weight"]))
+    return out
+
+
 def group(quant: Optional[Dict[str, QuantWeight]], names: List[str]) -> Optional[List[QuantWeight]]:
     """The QuantWeights of one fused GEMM (weights side by side along the output dim, each in its
-    own type), or None when any of them is not quantized (then it runs in float32)."""
+    own type; BF16 ones only with BF16), or None when any of them is not kept in blocks (then it
+    runs in float32)."""
     if not quant or any(n not in quant for n in names):
         return None
     ws = [quant[n] for n in names]
     if len({w.shape[1] for w in ws}) != 1 or len(_runs(ws)) > quant_kernels.MAX_PARTS:
         return None
+    if len({w.qtype == quant_kernels.BF16 for w in ws}) != 1:
+        return None
     return ws
+
+
+def block_linear(weights: List[QuantWeight], bias: Optional[torch.Tensor] = None, plan=None):
+    """The layer for one fused GEMM of group(): BF16Linear for bf16 weights, else QuantLinear."""
+    if weights[0].qtype == quant_kernels.BF16:
+        from vllm.model_executor.bf16_linear import BF16Linear
+        return BF16Linear(weights, bias, plan)
+    return QuantLinear(weights, bias)
 
 
 def _runs(weights: List[QuantWeight]) -> List[List[QuantWeight]]:

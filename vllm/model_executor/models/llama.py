@@ -13,10 +13,13 @@ band the GEMM path (C on packed panels, MKL packed, or x @ Wt), the decode atten
 a decode step runs each layer as one C call; each weight is kept only in the layouts it uses.
 With --quantization gguf the GEMM weights the GGUF holds in Q8_0 / Q4_0 / Q4_1 blocks stay in
 them (QuantLinear, model_executor/quant_linear.py); the C decode layer multiplies them in their
-blocks too (vq_gemm_parts, called through a pointer in its layer struct). With
-quant_keep_float32 (--quantization auto) the model holds both: steps of fewer rows than
-`quant_below` run the blocks (`quant_layers`, `quant_head`), larger ones the float32 layers, the
-crossover timed once at load on this CPU; a side that wins no band is dropped.
+blocks too (vq_gemm_parts, called through a pointer in its layer struct). bf16 weights (a
+GGUF's BF16 tensors, --dtype bfloat16 on the CPU) come the same way, as BF16 QuantWeights, and run
+as BF16Linear (the float32 GEMM on bf16 panels; the layer struct's bf16 flag). With
+quant_keep_float32 (--quantization auto; --dtype auto on a bf16 checkpoint) the model holds both:
+steps of fewer rows than `quant_below` run the blocks (`quant_layers`, `quant_head`), larger ones
+the float32 layers, the crossover timed once at load on this CPU; a side that wins no band is
+dropped.
 """
 import ctypes
 import logging
@@ -28,11 +31,11 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
-from vllm import cpu_kernel_plan, cpu_kernels
+from vllm import cpu_kernel_plan, cpu_kernels, quant_kernels
 from vllm.attention.backend import AttentionMetadata, paged_attention, write_kv
 from vllm.cpu_kernel_plan import KernelPlan, band
 from vllm.distributed.tp_group import TPGroup
-from vllm.model_executor.quant_linear import QuantLinear, QuantWeight, group
+from vllm.model_executor.quant_linear import QuantLinear, QuantWeight, block_linear, group
 from vllm.weight_arena import WeightArena
 
 logger = logging.getLogger(__name__)
@@ -197,7 +200,7 @@ class DecoderLayer(nn.Module):
         def linear(gemm: str, bias: Optional[torch.Tensor] = None):
             qw = _quant_group(quant, p, gemm)
             if qw is not None:
-                return QuantLinear(qw, bias)
+                return block_linear(qw, bias, plan)
             if dense is not None:
                 return getattr(dense, gemm)
             wt = torch.cat([w[f"{p}.{n}.weight"] for n in LAYER_GEMMS[gemm]]).t()
@@ -216,10 +219,13 @@ class DecoderLayer(nn.Module):
 
     def _fused_weights(self, intermediate: int) -> Optional[cpu_kernels.LayerWeights]:
         """The C decode layer's view of this layer, where every piece of it runs in C (a GEMM
-        packed in float32 or kept in GGUF blocks)."""
+        packed in float32 or bf16, all four alike, or kept in GGUF blocks)."""
         linears = (self.qkv, self.o, self.gate_up, self.down)
         if any(lin.packed is None and not isinstance(lin, QuantLinear) for lin in linears) or \
                 any(n % 16 for n in (self.head_dim, self.ln1.numel(), intermediate)):
+            return None
+        bf16 = {lin.packed.dtype == torch.bfloat16 for lin in linears if lin.packed is not None}
+        if len(bf16) > 1:
             return None
         ptr = lambda t: None if t is None else t.data_ptr()      # noqa: E731
         blocks = lambda lin: (ctypes.pointer(lin.block_weight)   # noqa: E731
@@ -231,7 +237,7 @@ class DecoderLayer(nn.Module):
             o=ptr(self.o.packed), o_bias=ptr(self.o.bias), ln2=ptr(self.ln2),
             gate_up=ptr(self.gate_up.packed), down=ptr(self.down.packed),
             qkv_q=blocks(self.qkv), o_q=blocks(self.o), gate_up_q=blocks(self.gate_up),
-            down_q=blocks(self.down))
+            down_q=blocks(self.down), bf16=int(True in bf16))
 
     def forward(self, x, cos, sin, rotary, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
@@ -266,9 +272,10 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device = torch.device("cpu"), tp: Optional[TPGroup] = None,
                  quant: Optional[Dict[str, QuantWeight]] = None,
                  quant_keep_float32: bool = False):
-        """quant: HF weight name -> its GGUF blocks (--quantization gguf; float32 on the CPU,
-        one rank only); those GEMMs run as QuantLinear, the rest as Linear. quant_keep_float32:
-        the float32 layers are kept too, for the batch bands where they are faster."""
+        """quant: HF weight name -> its GGUF blocks or bf16 weight (--quantization gguf, --dtype
+        bfloat16; float32 on the CPU, one rank only); those GEMMs run as QuantLinear or
+        BF16Linear, the rest as Linear. quant_keep_float32: the float32 layers are kept too, for
+        the batch bands where they are faster."""
         super().__init__()
         if getattr(cfg, "head_dim", None) is None:
             cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -282,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         on_cpu = dtype == torch.float32 and not self.embed.is_cuda
         quant = quant or None
         assert quant is None or (on_cpu and self.tp.world_size == 1), \
-            "GGUF block weights run on the CPU in float32 at tensor parallel size 1"
+            "GGUF block and bf16 weights run on the CPU in float32 at tensor parallel size 1"
         blocks, quant = quant, (None if quant_keep_float32 else quant)   # quant: self.layers'
         shapes = self._gemm_shapes(cfg, w, head, self.num_heads, self.num_kv_heads, quant)
         self.plan = cpu_kernel_plan.plan_model(
@@ -295,8 +302,8 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         head_q = group(quant, ["lm_head.weight"])
-        self.lm_head = QuantLinear(head_q) if head_q else Linear(head.t(), plan=self.plan,
-                                                                 arena=arena)
+        self.lm_head = block_linear(head_q, plan=self.plan) if head_q else \
+            Linear(head.t(), plan=self.plan, arena=arena)
         assert arena is None or arena.used == arena.numel
         theta, scaling = rope_parameters(cfg)
         self.rotary = Rotary(cfg.head_dim, max_pos, theta, scaling, dtype, device)
@@ -311,24 +318,27 @@ class LlamaForCausalLM(nn.Module):
 
     def _add_quant_twin(self, cfg, w: Dict[str, torch.Tensor],
                         blocks: Dict[str, QuantWeight]) -> None:
-        """Layers running the GGUF blocks beside the float32 ones, and the row count below which
-        they are used (quant_crossover); a side that wins no timed band is dropped."""
+        """Layers running the GGUF blocks (or bf16 weights) beside the float32 ones, and the row
+        count below which they are used (quant_crossover); a side that wins no timed band is
+        dropped."""
         self.quant_layers = nn.ModuleList(
             DecoderLayer(cfg, w, f"model.layers.{i}", self.plan, None, self.tp, blocks, dense)
             for i, dense in enumerate(self.layers))
         head_q = group(blocks, ["lm_head.weight"])
-        self.quant_head = QuantLinear(head_q) if head_q else self.lm_head
+        self.quant_head = block_linear(head_q, plan=self.plan) if head_q else self.lm_head
+        bf16 = all(w.qtype == quant_kernels.BF16 for w in blocks.values())
+        kept = "bf16 weights" if bf16 else "GGUF blocks"
         start = time.perf_counter()
         self.quant_below = self.quant_crossover()
-        choice = f"GGUF blocks below {self.quant_below} rows, float32 from there"
+        choice = f"{kept} below {self.quant_below} rows, float32 from there"
         if self.quant_below == 0:                       # float32 wins every band
             self.quant_layers, self.quant_head = None, None
             choice = "float32 at every batch size"
         elif self.quant_below > CROSSOVER_ROWS[-1]:     # blocks win every band
             self.layers, self.lm_head = self.quant_layers, self.quant_head
             self.quant_layers, self.quant_head, self.quant_below = None, None, 0
-            choice = "GGUF blocks at every batch size"
-        logger.info("--quantization auto: %s (timed in %.1f s)", choice,
+            choice = f"{kept} at every batch size"
+        logger.info("auto weight format: %s (timed in %.1f s)", choice,
                     time.perf_counter() - start)
 
     def quant_crossover(self, repeats: int = 2) -> int:
