@@ -13,11 +13,11 @@ each timing every batch on every format in turn (the order rotated per round), s
 host's drift reaches all of them alike: the table shows each format's median tok/s and the median
 of its per-round ratios to float32 (the lowest beside it). Writes benchmark_quant.json / .png.
 
---gemv instead times one GEMM of each of the default model's shapes per GGUF type (Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, and Q4_K / Q6_K where the rows are a multiple of 256 wide: only ffn_down's
-1536; llama.cpp writes 576-wide rows of a Q4_K_M file as Q5_0) against the engine's float32 C
-GEMM, at --rows activation rows, weights streamed from memory (the call cycles through copies
-that together exceed the last-level cache, as a decode step's 30 layers do). Writes
+--gemv instead times one GEMM of each of the default model's shapes per weight type (BF16 panels,
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and Q4_K / Q6_K where the rows are a multiple of 256 wide: only
+ffn_down's 1536; llama.cpp writes 576-wide rows of a Q4_K_M file as Q5_0) against the engine's
+float32 C GEMM, at --rows activation rows, weights streamed from memory (the call cycles through
+copies that together exceed the last-level cache, as a decode step's 30 layers do). Writes
 benchmark_quant_gemv.json and .png.
 
     python benchmarks/benchmark_quant.py [--threads 2] [--batches 1 16 32] [--tokens 33]
@@ -87,9 +87,13 @@ def gemv_main(args) -> None:
             copies = max(2, STREAM_BYTES // (n * k * 4))
             packed = [cpu_kernels.pack_weight(wt) for _ in range(copies)]
             t32 = _time_cycled([lambda p=p: cpu_kernels.packed_gemm(x, p, n) for p in packed])
+            packed = [cpu_kernels.pack_weight(wt, bf16=True) for _ in range(2 * copies)]
+            t16 = _time_cycled([lambda p=p: cpu_kernels.packed_gemm(x, p, n) for p in packed])
             del packed
-            times[(shape, "fp32", m)] = t32
-            row = {"gemm": shape, "N": n, "K": k, "rows": m, "fp32 us": t32 * 1e6}
+            times[(shape, "fp32", m)], times[(shape, "BF16", m)] = t32, t16
+            row = {"gemm": shape, "N": n, "K": k, "rows": m, "fp32 us": t32 * 1e6,
+                   "fp32 GB/s": n * k * 4 / t32 / 1e9, "BF16 us": t16 * 1e6,
+                   "BF16 GB/s": n * k * 2 / t16 / 1e9}
             for name in GEMV_TYPES:
                 t = ids[name]
                 if k % qk.BLOCK_ELEMS[t]:
@@ -102,12 +106,14 @@ def gemv_main(args) -> None:
                 row[f"{name} us"] = sec * 1e6
                 row[f"{name} GB/s"] = nbytes / sec / 1e9
             rows.append(row)
-    cols = ["gemm", "N", "K", "rows", "fp32 us"] + [f"{t} us" for t in GEMV_TYPES]
+    cols = ["gemm", "N", "K", "rows", "fp32 us", "fp32 GB/s", "BF16 us", "BF16 GB/s"] + \
+        [f"{t} us" for t in GEMV_TYPES]
     info = cpu_info()
     title = (f"{info['cpu']}, quant kernels {qk.active_isa()}, {args.threads} threads: "
              "one GEMM, weights streamed")
     table(rows, cols, title)
-    formats = {"fp32": {s: "fp32" for s in SHAPES}, "Q8_0": {s: "Q8_0" for s in SHAPES},
+    formats = {"fp32": {s: "fp32" for s in SHAPES}, "BF16": {s: "BF16" for s in SHAPES},
+               "Q8_0": {s: "Q8_0" for s in SHAPES},
                "Q4_0": {s: "Q4_0" for s in SHAPES}, "Q4_1": {s: "Q4_1" for s in SHAPES},
                "Q4_K_M": Q4_K_M}
     step_rows = []
@@ -120,9 +126,9 @@ def gemv_main(args) -> None:
     table(step_rows, list(step_rows[0]), "a decode step's GEMMs (30 layers + lm_head), summed")
     fig, ax = plt().subplots(figsize=(7, 3.5))
     for j, (f, _) in enumerate(formats.items()):
-        ax.bar([i + j * 0.16 for i in range(len(args.rows))],
-               [r[f"{f} ms"] for r in step_rows], 0.16, label=f)
-    ax.set_xticks([i + 0.32 for i in range(len(args.rows))], [f"{m} rows" for m in args.rows])
+        ax.bar([i + j * 0.14 for i in range(len(args.rows))],
+               [r[f"{f} ms"] for r in step_rows], 0.14, label=f)
+    ax.set_xticks([i + 0.35 for i in range(len(args.rows))], [f"{m} rows" for m in args.rows])
     ax.set_ylabel("ms per decode step (GEMMs)")
     ax.set_title(f"SmolLM2-135M GEMMs by weight format, {info['cpu']}")
     ax.legend(fontsize=8)

@@ -15,10 +15,10 @@ the engine, 39-47 for llama.cpp within four minutes), so vs_llamacpp is the medi
 per-pair ratios, with the lowest beside it. llama.cpp's comparable figure is generated tokens /
 total time including prefill, B * output_len / T; its decode-only S_TG is shown beside it.
 
---weights FORMAT (q4_1, q4_0, q8_0; default f32) runs the engine with --quantization gguf on a GGUF
-of that format and llama.cpp on the same file: the shipped Q4_1 file, or Q4_0 / Q8_0 files
-requantized from it (common.requantized); the torch-path and transformers columns are float32
-only and are left out.
+--weights FORMAT (q4_1, q4_0, q8_0, bf16; default f32) runs the engine with --quantization gguf
+on a GGUF of that format and llama.cpp on the same file: the shipped Q4_1 file, or Q4_0 / Q8_0 /
+BF16 files requantized from it (common.requantized); the torch-path and transformers columns are
+float32 only and are left out.
 
     python benchmarks/benchmark_throughput.py            # batch 1, 16, 32
     python benchmarks/benchmark_throughput.py --quick    # batch 1, 16

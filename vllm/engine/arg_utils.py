@@ -25,7 +25,8 @@ class EngineArgs:
     model: Optional[str] = None            # local HF dir or .gguf; None = SmolLM2-135M-Instruct
     tokenizer: Optional[str] = None
     device: str = "auto"                   # auto = cuda when torch sees a GPU, else cpu
-    dtype: str = "auto"                    # auto = bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"                    # auto = bfloat16 on CUDA, float32 on CPU (bf16
+                                           # GEMM weights for a bf16 checkpoint where faster)
     block_size: int = 16
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
@@ -77,7 +78,9 @@ class EngineArgs:
             help="auto: cuda when torch sees a GPU, else cpu")
         add("--dtype", type=str, default="auto",
             choices=["auto", "float32", "bfloat16", "float16"],
-            help="auto: bfloat16 on CUDA, float32 on CPU")
+            help="auto: bfloat16 on CUDA, float32 on CPU (a bf16 checkpoint keeps its GEMM "
+                 "weights in bf16 in the batch bands where that is faster); bfloat16 on CPU: "
+                 "GEMM weights in bf16, activations and KV cache float32")
         add("--block-size", type=int, default=16)
         add("--max-model-len", type=int, default=None)
         add("--max-num-seqs", type=int, default=256)
