@@ -262,7 +262,7 @@ def test_repacked_gemm_matches_float64_block_math(isa, qtype):
         blocks = quantize_weight(w, qtype)
         packed = quant_kernels.repack(torch.from_numpy(blocks), qtype, isa=isa)
         assert packed.shape == (48, blocks.shape[1])
-        for m in (1, 2, 5, 8, 9, 70):      # records decoded per row (< 8) or to tiles
+        for m in (1, 2, 3, 5, 8, 9, 70):   # records decoded per row (< 8) or to tiles
             x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
             x[0, :BLOCK] = 0.0
             y = quant_kernels.gemm(torch.from_numpy(x), packed, qtype | quant_kernels.PACKED,
@@ -270,6 +270,32 @@ def test_repacked_gemm_matches_float64_block_math(isa, qtype):
             ref, scale = reference(x, blocks, qtype)
             err = np.abs(y.numpy() - ref)
             assert (err <= 1e-5 * scale + 1e-6).all(), (isa, k, m, float((err / scale).max()))
+
+
+@quant_built
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0, Q4_1, Q6_K])
+def test_vnni_and_madd_variants_agree_bit_for_bit(isa, qtype):
+    """On an AVX-512 VNNI CPU the kernels multiply with vpdpbusd / vpdpwssd; turned off, with
+    maddubs / madd. Neither saturates, so the integer sums and every output bit agree."""
+    lib = quant_kernels.library(isa)
+    if not lib.vq_uses_vnni():
+        pytest.skip(f"the {isa} build does not use VNNI on this CPU")
+    rng = np.random.default_rng(7)
+    n, k = 37, 512
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    blocks = torch.from_numpy(random_blocks(rng, n, k, qtype) if qtype == Q6_K
+                              else quantize_weight(w, qtype))
+    weight = (quant_kernels.repack(blocks, qtype, isa=isa), qtype | quant_kernels.PACKED) \
+        if quant_kernels.packs(qtype, isa) else (blocks, qtype)
+    for m in (1, 3, 6, 9):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        with_vnni = quant_kernels.gemm(x, *weight, n, k, isa=isa)
+        try:
+            assert lib.vq_set_vnni(0) == 0
+            without = quant_kernels.gemm(x, *weight, n, k, isa=isa)
+        finally:
+            assert lib.vq_set_vnni(1) == 1
+        assert torch.equal(with_vnni, without), (qtype, m)
 
 
 @quant_built

@@ -53,6 +53,8 @@ def library(isa: str) -> Optional[ctypes.CDLL]:
     lib.vq_block_elems.argtypes = [_int]
     lib.vq_block_elems.restype = _int
     lib.vq_uses_vnni.restype = _int
+    lib.vq_set_vnni.argtypes = [_int]
+    lib.vq_set_vnni.restype = _int
     lib.vq_quantize_rows.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     lib.vq_quantize_rows.restype = None
     lib.vq_gemm.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr]

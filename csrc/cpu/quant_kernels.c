@@ -914,6 +914,70 @@ ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec,
     }
 }
 
+#if defined(VTOK_ISA_AVX512)
+/* The same records at 512 bits: pair g of all 16 columns is one int16 vector (lanes 0..15 as
+   packed_pair's w0, 16..31 as its w1), so one multiply-add per row and pair gives lane c =
+   column c's two products (vpdpwssd with VNNI, else vpmaddwd + vpaddd); the per-column float
+   math is packed_rows' lane for lane, so the results are bit-identical. Q4: the 16 bytes are
+   loaded into both halves and widened, then the low half keeps the low nibbles and the high
+   half shifts down the high ones: byte 0x3a -> lane 0 = 0xa, lane 16 = 0x3. */
+ALWAYS_INLINE __m512i packed_pair512(const int TYPE, const uint8_t *rec, int g) {
+    if (TYPE == T_Q8_0)
+        return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 32 + 32 * g)));
+    const uint8_t *q = rec + (TYPE == T_Q4_1 ? 64 : 32) + 16 * g;
+    const __m512i v = _mm512_cvtepu8_epi16(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q)));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi16(0x0f));
+}
+
+#define DEFINE_PACKED_ROWS512(NAME, ACC)                                                       \
+    ALWAYS_INLINE void NAME(const int TYPE, const int MR, const uint8_t *rec, int64_t nb,      \
+                            const int16_t **x, const float **ed, const float **sx,             \
+                            float (*out)[TILE_COLS]) {                                         \
+        const int64_t rbytes = packed_record(TYPE);                                            \
+        __m512 f[4];                                                                           \
+        for (int r = 0; r < MR; r++) f[r] = _mm512_setzero_ps();                               \
+        for (int64_t b = 0; b < nb; b++, rec += rbytes) {                                      \
+            __m512i s[4];                                                                      \
+            for (int r = 0; r < MR; r++) s[r] = _mm512_setzero_si512();                        \
+            for (int g = 0; g < 16; g++) {                                                     \
+                const __m512i w = packed_pair512(TYPE, rec, g);                                \
+                for (int r = 0; r < MR; r++) {                                                 \
+                    int32_t pair;                                                              \
+                    memcpy(&pair, x[r] + b * QK + 2 * g, 4);                                   \
+                    s[r] = ACC(s[r], w, _mm512_set1_epi32(pair));                              \
+                }                                                                              \
+            }                                                                                  \
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));        \
+            __m512 mw = _mm512_setzero_ps();                                                   \
+            if (TYPE == T_Q4_1)                                                                \
+                mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 32)));         \
+            else if (TYPE == T_Q4_0)                                                           \
+                mw = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));                                  \
+            for (int r = 0; r < MR; r++) {                                                     \
+                const __m512 e = _mm512_set1_ps(ed[r][b]);                                     \
+                f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, e), f[r]);   \
+                if (TYPE != T_Q8_0) f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r][b]), f[r]); \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < MR; r++) _mm512_storeu_ps(out[r], f[r]);                           \
+    }
+
+static inline __m512i acc_madd512(__m512i s, __m512i w, __m512i x) {
+    return _mm512_add_epi32(s, _mm512_madd_epi16(w, x));
+}
+DEFINE_PACKED_ROWS512(packed_rows512_madd, acc_madd512)
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+static inline __m512i acc_vnni512(__m512i s, __m512i w, __m512i x) {
+    return _mm512_dpwssd_epi32(s, w, x);
+}
+DEFINE_PACKED_ROWS512(packed_rows512_vnni, acc_vnni512)
+#pragma GCC pop_options
+#endif
+
 #define PACKED_SWITCH(FN, type, ...)                                                           \
     do {                                                                                       \
         switch (type) {                                                                        \
@@ -922,13 +986,36 @@ ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec,
         case T_Q4_1: FN(T_Q4_1, __VA_ARGS__); break;                                           \
         }                                                                                      \
     } while (0)
-#define PACKED_ROWS(T, MR, ...)                                                                \
+#define PACKED_ROWS_FN(FN, T, MR, ...)                                                         \
     do {                                                                                       \
-        if ((MR) == 4) packed_rows(T, 4, __VA_ARGS__);                                         \
-        else if ((MR) == 3) packed_rows(T, 3, __VA_ARGS__);                                    \
-        else if ((MR) == 2) packed_rows(T, 2, __VA_ARGS__);                                    \
-        else packed_rows(T, 1, __VA_ARGS__);                                                   \
+        if ((MR) == 4) FN(T, 4, __VA_ARGS__);                                                  \
+        else if ((MR) == 3) FN(T, 3, __VA_ARGS__);                                             \
+        else if ((MR) == 2) FN(T, 2, __VA_ARGS__);                                             \
+        else FN(T, 1, __VA_ARGS__);                                                            \
     } while (0)
+#define PACKED_ROWS(T, MR, ...) PACKED_ROWS_FN(packed_rows, T, MR, __VA_ARGS__)
+
+/* mr (<= 4) rows against one column group's records, each ISA's widest kernel */
+#define PACKED_GROUP_ARGS                                                                      \
+    int type, int mr, const uint8_t *rec, int64_t nb, const int16_t **xp, const float **edp,   \
+        const float **sxp, float (*out)[TILE_COLS]
+#if defined(VTOK_ISA_AVX512)
+#define PACKED_ROWS512_MADD(T, MR, ...) PACKED_ROWS_FN(packed_rows512_madd, T, MR, __VA_ARGS__)
+#define PACKED_ROWS512_VNNI(T, MR, ...) PACKED_ROWS_FN(packed_rows512_vnni, T, MR, __VA_ARGS__)
+static void packed_group(PACKED_GROUP_ARGS) {
+    PACKED_SWITCH(PACKED_ROWS512_MADD, type, mr, rec, nb, xp, edp, sxp, out);
+}
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+static void packed_group_vnni(PACKED_GROUP_ARGS) {
+    PACKED_SWITCH(PACKED_ROWS512_VNNI, type, mr, rec, nb, xp, edp, sxp, out);
+}
+#pragma GCC pop_options
+#else
+static void packed_group(PACKED_GROUP_ARGS) {
+    PACKED_SWITCH(PACKED_ROWS, type, mr, rec, nb, xp, edp, sxp, out);
+}
+#endif
 
 
 /* nblk records of one column group as tiles (tile_rows multiplies them) */
@@ -996,7 +1083,9 @@ static void columns_tiled(int type, int packed, const uint8_t *w, int64_t j0, in
    y, bias and residual as columns_madd */
 static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k,
                            const int16_t *x16, const float *xed, const float *xs, int64_t m,
-                           const float *bias, const float *residual, float *y, int64_t ldy) {
+                           const float *bias, const float *residual, float *y, int64_t ldy,
+                           int vnni) {
+    (void)vnni;
     const int64_t nb = k / QK;
     const uint8_t *rec = w + j0 / 16 * nb * packed_record(type);
     if (m >= PACKED_TILE_ROWS) {
@@ -1013,7 +1102,11 @@ static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, i
             edp[r] = xed + (r0 + r) * nb;
             sxp[r] = xs + (r0 + r) * nb;
         }
-        PACKED_SWITCH(PACKED_ROWS, type, mr, rec, nb, xp, edp, sxp, out);
+#if defined(VTOK_ISA_AVX512)
+        if (vnni) packed_group_vnni(type, mr, rec, nb, xp, edp, sxp, out);
+        else
+#endif
+            packed_group(type, mr, rec, nb, xp, edp, sxp, out);
         for (int r = 0; r < mr; r++)
             for (int64_t j = j0; j < j1; j++) {
                 float v = out[r][j - j0];
@@ -1147,13 +1240,27 @@ static void columns_vnni(COLUMNS_ARGS) {
 #pragma GCC pop_options
 #endif
 
-/* 1 when this build uses vpdpbusd on this CPU */
+static int vnni_on = -1;        /* -1: not read from the CPU yet */
+
+/* 1 when this build uses vpdpbusd / vpdpwssd on this CPU */
 int vq_uses_vnni(void) {
 #if defined(VTOK_ISA_AVX512)
-    return __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+    if (vnni_on < 0) vnni_on = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+    return vnni_on;
 #else
     return 0;
 #endif
+}
+
+/* on = 0 multiplies with maddubs / madd even where the CPU has VNNI (the integer sums and so
+   the results are the same; tests run both variants on one CPU); returns vq_uses_vnni() */
+int vq_set_vnni(int on) {
+#if defined(VTOK_ISA_AVX512)
+    vnni_on = on && __builtin_cpu_supports("avx512vnni");
+#else
+    (void)on;
+#endif
+    return vq_uses_vnni();
 }
 
 /* 1 when this build multiplies `type` repacked by vq_repack (Q4_0, Q4_1, Q8_0 on x86) */
@@ -1242,7 +1349,8 @@ static void gemm_parts_q(int nparts, const int *types, const uint8_t *const *ws,
         float *yp = y + col[p];
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
         if (types[p] & VQ_PACKED) {
-            columns_packed(type, ws[p], j0, j1, k, x16, xd + m * nb, xs, m, bp, rp, yp, ldy);
+            columns_packed(type, ws[p], j0, j1, k, x16, xd + m * nb, xs, m, bp, rp, yp, ldy,
+                           vnni);
             continue;
         }
         if (x16 && m >= TILE_MIN_ROWS) {
