@@ -834,6 +834,43 @@ ALWAYS_INLINE void tile_rows(const int TYPE, const int MR, const tile_block *t, 
 }
 
 
+#if defined(VTOK_ISA_AVX512)
+/* tile_rows at 512 bits: a tile's pair g (tile_block.w[g][0] and w[g][1], adjacent) is one
+   int16 vector whose int32 lane c is column c, so a row and pair is one vpdpwssd (VNNI) or
+   vpmaddwd + vpaddd; the float math is tile_rows' lane for lane (bit-identical results) */
+#define DEFINE_TILE_ROWS512(NAME, ACC)                                                         \
+    ALWAYS_INLINE void NAME(const int TYPE, const int MR, const tile_block *t, int nblk,       \
+                            const int16_t **x, const float **ed, const float **sx,             \
+                            float (*acc)[TILE_COLS]) {                                         \
+        for (int i = 0; i < nblk; i++) {                                                       \
+            for (int half = 0; half < (TYPE == T_Q6_K ? 2 : 1); half++) {                      \
+                const int g0 = TYPE == T_Q6_K ? 8 * half : 0;                                  \
+                const int g1 = TYPE == T_Q6_K ? g0 + 8 : 16;                                   \
+                __m512i s[4];                                                                  \
+                for (int r = 0; r < MR; r++) s[r] = _mm512_setzero_si512();                    \
+                for (int g = g0; g < g1; g++) {                                                \
+                    const __m512i w = _mm512_loadu_si512((const void *)&t[i].w[g][0]);         \
+                    for (int r = 0; r < MR; r++) {                                             \
+                        int32_t pair;                                                          \
+                        memcpy(&pair, x[r] + i * QK + 2 * g, 4);                               \
+                        s[r] = ACC(s[r], w, _mm512_set1_epi32(pair));                          \
+                    }                                                                          \
+                }                                                                              \
+                const __m512 d = _mm512_loadu_ps(half ? t[i].d_hi : t[i].d);                   \
+                for (int r = 0; r < MR; r++) {                                                 \
+                    const __m512 e = _mm512_set1_ps(ed[r][i]);                                 \
+                    __m512 f = _mm512_loadu_ps(acc[r]);                                        \
+                    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, e), f);     \
+                    if (has_sum_term(TYPE))                                                    \
+                        f = _mm512_fmadd_ps(_mm512_loadu_ps(t[i].m), _mm512_set1_ps(sx[r][i]), \
+                                            f);                                                \
+                    _mm512_storeu_ps(acc[r], f);                                               \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+#endif
+
 /* ---- Q4_0 / Q4_1 / Q8_0 repacked at load: 16 columns interleaved -------------------------- */
 
 /* A weight repacked by vq_repack is records of 16 columns x one 32-element block, a column
@@ -995,25 +1032,40 @@ DEFINE_PACKED_ROWS512(packed_rows512_vnni, acc_vnni512)
     } while (0)
 #define PACKED_ROWS(T, MR, ...) PACKED_ROWS_FN(packed_rows, T, MR, __VA_ARGS__)
 
-/* mr (<= 4) rows against one column group's records, each ISA's widest kernel */
+/* mr (<= 4) rows against one column group's records (packed_group) or nblk tiles
+   (tile_group), each ISA's widest kernel */
 #define PACKED_GROUP_ARGS                                                                      \
     int type, int mr, const uint8_t *rec, int64_t nb, const int16_t **xp, const float **edp,   \
         const float **sxp, float (*out)[TILE_COLS]
+#define TILE_GROUP_ARGS                                                                        \
+    int type, int mr, const tile_block *t, int nblk, const int16_t **xp, const float **edp,    \
+        const float **sxp, float (*acc)[TILE_COLS]
 #if defined(VTOK_ISA_AVX512)
 #define PACKED_ROWS512_MADD(T, MR, ...) PACKED_ROWS_FN(packed_rows512_madd, T, MR, __VA_ARGS__)
 #define PACKED_ROWS512_VNNI(T, MR, ...) PACKED_ROWS_FN(packed_rows512_vnni, T, MR, __VA_ARGS__)
+DEFINE_TILE_ROWS512(tile_rows512_madd, acc_madd512)
 static void packed_group(PACKED_GROUP_ARGS) {
     PACKED_SWITCH(PACKED_ROWS512_MADD, type, mr, rec, nb, xp, edp, sxp, out);
 }
+static void tile_group(TILE_GROUP_ARGS) {
+    DISPATCH(tile_rows512_madd, type, mr, t, nblk, xp, edp, sxp, acc);
+}
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
+DEFINE_TILE_ROWS512(tile_rows512_vnni, acc_vnni512)
 static void packed_group_vnni(PACKED_GROUP_ARGS) {
     PACKED_SWITCH(PACKED_ROWS512_VNNI, type, mr, rec, nb, xp, edp, sxp, out);
+}
+static void tile_group_vnni(TILE_GROUP_ARGS) {
+    DISPATCH(tile_rows512_vnni, type, mr, t, nblk, xp, edp, sxp, acc);
 }
 #pragma GCC pop_options
 #else
 static void packed_group(PACKED_GROUP_ARGS) {
     PACKED_SWITCH(PACKED_ROWS, type, mr, rec, nb, xp, edp, sxp, out);
+}
+static void tile_group(TILE_GROUP_ARGS) {
+    DISPATCH(tile_rows, type, mr, t, nblk, xp, edp, sxp, acc);
 }
 #endif
 
@@ -1041,7 +1093,8 @@ ALWAYS_INLINE void decode_packed(const int TYPE, const uint8_t *rec, int nblk, t
 static void columns_tiled(int type, int packed, const uint8_t *w, int64_t j0, int64_t j1,
                           int64_t k, const int16_t *x16, const float *xed, const float *xs,
                           int64_t m, const float *bias, const float *residual, float *y,
-                          int64_t ldy) {
+                          int64_t ldy, int vnni) {
+    (void)vnni;
     const int64_t nb = k / QK, rb = k / block_elems(type) * block_bytes(type);
     const int ncols = (int)(j1 - j0);
     tile_block t[TILE_KB] __attribute__((aligned(32)));
@@ -1066,7 +1119,11 @@ static void columns_tiled(int type, int packed, const uint8_t *w, int64_t j0, in
                     edp[r] = xed + row * nb + b0;
                     sxp[r] = xs + row * nb + b0;
                 }
-                DISPATCH(tile_rows, type, mr, t, nblk, xp, edp, sxp, acc + rr);
+#if defined(VTOK_ISA_AVX512)
+                if (vnni) tile_group_vnni(type, mr, t, nblk, xp, edp, sxp, acc + rr);
+                else
+#endif
+                    tile_group(type, mr, t, nblk, xp, edp, sxp, acc + rr);
             }
         }
         for (int r = 0; r < rc; r++)
@@ -1089,7 +1146,7 @@ static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, i
     const int64_t nb = k / QK;
     const uint8_t *rec = w + j0 / 16 * nb * packed_record(type);
     if (m >= PACKED_TILE_ROWS) {
-        columns_tiled(type, 1, w, j0, j1, k, x16, xed, xs, m, bias, residual, y, ldy);
+        columns_tiled(type, 1, w, j0, j1, k, x16, xed, xs, m, bias, residual, y, ldy, vnni);
         return;
     }
     for (int64_t r0 = 0; r0 < m; r0 += 4) {
@@ -1240,7 +1297,9 @@ static void columns_vnni(COLUMNS_ARGS) {
 #pragma GCC pop_options
 #endif
 
+#if defined(VTOK_ISA_AVX512)
 static int vnni_on = -1;        /* -1: not read from the CPU yet */
+#endif
 
 /* 1 when this build uses vpdpbusd / vpdpwssd on this CPU */
 int vq_uses_vnni(void) {
@@ -1354,7 +1413,8 @@ static void gemm_parts_q(int nparts, const int *types, const uint8_t *const *ws,
             continue;
         }
         if (x16 && m >= TILE_MIN_ROWS) {
-            columns_tiled(type, 0, ws[p], j0, j1, k, x16, xd + m * nb, xs, m, bp, rp, yp, ldy);
+            columns_tiled(type, 0, ws[p], j0, j1, k, x16, xd + m * nb, xs, m, bp, rp, yp, ldy,
+                          vnni);
             continue;
         }
 #endif
