@@ -238,12 +238,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lq, lk = q.shape[1], k.shape[1]
     if mask is None and lq != lk:          # SDPA's is_causal is top-left aligned
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-    if q.is_cuda:   # a batch dimension: CUDA's fused SDPA kernels take 4-d inputs only
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                              is_causal=mask is None, scale=scale,
-                                              enable_gqa=True)[0]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          scale=scale, enable_gqa=True)
+    # a batch dimension: the fused SDPA kernels (CUDA's, and the CPU flash kernel) take 4-d
+    # inputs only; 3-d ones run the math kernel, ~2x slower on CPU (16 x 128-token prompts of
+    # the default model: 6.7 -> 3.4 ms a layer)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                          is_causal=mask is None, scale=scale,
+                                          enable_gqa=True)[0]
 
 
 def _prefill_xformers(q, k, v, mask, scale):
