@@ -846,6 +846,28 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
     return s;
 }
 
+/* s[r] (r < MR) = the int32 sums over pairs g in [g0, g1) of ACC(WEIGHT(g), row r's pair
+   x[r][xoff + 2g], x[r][xoff + 2g + 1] broadcast), each row over NCHAIN(MR) chains; WEIGHT(g)
+   is pair g of 16 columns as one int16 vector (a tile's, or a record's decoded) */
+#define ROW_PAIRS512(ACC, MR, g0, g1, WEIGHT, x, xoff, s)                                     \
+    do {                                                                                       \
+        __m512i c_[4][NCHAIN(MR)];                                                             \
+        for (int r = 0; r < (MR); r++)                                                         \
+            for (int h = 0; h < NCHAIN(MR); h++) c_[r][h] = _mm512_setzero_si512();            \
+        for (int gc = (g0); gc < (g1); gc += NCHAIN(MR)) {                                     \
+            for (int h = 0; h < NCHAIN(MR); h++) {                                             \
+                const __m512i w = WEIGHT(gc + h);                                              \
+                _Pragma("GCC unroll 4") for (int r = 0; r < (MR); r++) {                       \
+                    int32_t pair;                                                              \
+                    memcpy(&pair, (x)[r] + (xoff) + 2 * (gc + h), 4);                          \
+                    c_[r][h] = ACC(c_[r][h], w, _mm512_set1_epi32(pair));                      \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < (MR); r++) (s)[r] = sum_chains(c_[r], NCHAIN(MR));                 \
+    } while (0)
+#define TILE_W512(g) _mm512_loadu_si512((const void *)&t[i].w[g][0])
+
 /* tile_rows at 512 bits: a tile's pair g (tile_block.w[g][0] and w[g][1], adjacent) is one
    int16 vector whose int32 lane c is column c, so a row and pair is one vpdpwssd (VNNI) or
    vpmaddwd + vpaddd; the float math is tile_rows' lane for lane (bit-identical results) */
@@ -857,21 +879,8 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
             for (int half = 0; half < (TYPE == T_Q6_K ? 2 : 1); half++) {                      \
                 const int g0 = TYPE == T_Q6_K ? 8 * half : 0;                                  \
                 const int g1 = TYPE == T_Q6_K ? g0 + 8 : 16;                                   \
-                __m512i s[4], c[4][NCHAIN(MR)];                                                \
-                for (int r = 0; r < MR; r++)                                                   \
-                    for (int h = 0; h < NCHAIN(MR); h++) c[r][h] = _mm512_setzero_si512();     \
-                for (int gc = g0; gc < g1; gc += NCHAIN(MR)) {                                 \
-                    for (int h = 0; h < NCHAIN(MR); h++) {                                     \
-                        const __m512i w =                                                      \
-                            _mm512_loadu_si512((const void *)&t[i].w[gc + h][0]);              \
-                        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                 \
-                            int32_t pair;                                                      \
-                            memcpy(&pair, x[r] + i * QK + 2 * (gc + h), 4);                    \
-                            c[r][h] = ACC(c[r][h], w, _mm512_set1_epi32(pair));                \
-                        }                                                                      \
-                    }                                                                          \
-                }                                                                              \
-                for (int r = 0; r < MR; r++) s[r] = sum_chains(c[r], NCHAIN(MR));              \
+                __m512i s[4];                                                                  \
+                ROW_PAIRS512(ACC, MR, g0, g1, TILE_W512, x, i * QK, s);                        \
                 const __m512 d = _mm512_loadu_ps(half ? t[i].d_hi : t[i].d);                   \
                 for (int r = 0; r < MR; r++) {                                                 \
                     const __m512 e = _mm512_set1_ps(ed[r][i]);                                 \
@@ -984,6 +993,7 @@ ALWAYS_INLINE __m512i packed_pair512(const int TYPE, const uint8_t *rec, int g) 
     return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi16(0x0f));
 }
 
+#define PACKED_W512(g) packed_pair512(TYPE, rec, g)
 #define DEFINE_PACKED_ROWS512(NAME, ACC)                                                       \
     ALWAYS_INLINE void NAME(const int TYPE, const int MR, const uint8_t *rec, int64_t nb,      \
                             const int16_t **x, const float **ed, const float **sx,             \
@@ -992,20 +1002,8 @@ ALWAYS_INLINE __m512i packed_pair512(const int TYPE, const uint8_t *rec, int g) 
         __m512 f[4];                                                                           \
         for (int r = 0; r < MR; r++) f[r] = _mm512_setzero_ps();                               \
         for (int64_t b = 0; b < nb; b++, rec += rbytes) {                                      \
-            __m512i s[4], c[4][NCHAIN(MR)];                                                    \
-            for (int r = 0; r < MR; r++)                                                       \
-                for (int h = 0; h < NCHAIN(MR); h++) c[r][h] = _mm512_setzero_si512();         \
-            for (int g0 = 0; g0 < 16; g0 += NCHAIN(MR)) {                                      \
-                for (int h = 0; h < NCHAIN(MR); h++) {                                         \
-                    const __m512i w = packed_pair512(TYPE, rec, g0 + h);                       \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                     \
-                        int32_t pair;                                                          \
-                        memcpy(&pair, x[r] + b * QK + 2 * (g0 + h), 4);                        \
-                        c[r][h] = ACC(c[r][h], w, _mm512_set1_epi32(pair));                    \
-                    }                                                                          \
-                }                                                                              \
-            }                                                                                  \
-            for (int r = 0; r < MR; r++) s[r] = sum_chains(c[r], NCHAIN(MR));                  \
+            __m512i s[4];                                                                      \
+            ROW_PAIRS512(ACC, MR, 0, 16, PACKED_W512, x, b * QK, s);                           \
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));        \
             __m512 mw = _mm512_setzero_ps();                                                   \
             if (TYPE == T_Q4_1)                                                                \
