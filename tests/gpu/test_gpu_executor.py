@@ -26,7 +26,8 @@ def test_copy_is_ordered_after_compute_writes_without_host_wait():
     kv, src, dst, ex = setup()
     src_on_gpu = src.cuda()
     torch.cuda._sleep(SLEEP)                 # compute stream busy ...
-    kv[:, src_on_gpu] = 1.0                  # ... then it writes the sources
+    kv.index_fill_(1, src_on_gpu, 1.0)       # ... then it writes the sources (a host-to-
+    assert not torch.cuda.current_stream().query()   # device value copy would wait for the sleep)
     t0 = time.perf_counter()
     event = ex.submit(0, src, dst)
     assert time.perf_counter() - t0 < 0.02 and not event.query()   # submit did not wait

@@ -69,6 +69,8 @@ class Worker:
         self.device = self.tp.device if self.tp.world_size > 1 else torch.device(mc.device)
         kv_quant.check_device(config.cache_config.kv_cache_dtype, self.device)
         if self.device.type == "cuda":
+            if self.device.index is None:    # "cuda": the current device, named by its index
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.simulated = mc.load_format == "simulate"
         torch.manual_seed(mc.seed)
