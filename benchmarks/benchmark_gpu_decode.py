@@ -64,6 +64,7 @@ VARIANTS = {"Native": ("vtoken", KVEvictionParams(policy="none")),
             "indirection": ("vtoken", KVEvictionParams(policy="streamingllm", eviction_ratio=0.0)),
             "vToken": ("vtoken", KVEvictionParams(policy="h2o", eviction_ratio=0.5)),
             "Naive-Evict": ("none", KVEvictionParams(policy="h2o", eviction_ratio=0.5))}
+PREFILL_CHUNK = 2048     # --max-num-batched-tokens: prompt tokens a step prefills
 
 
 def write_config(shape: Dict) -> str:
@@ -88,6 +89,7 @@ def build_engine(args, reclamation: str, kv_cache_dtype: str = "auto",
                  blocks: int = 0) -> LLM:
     return LLM(args.model_dir, load_format="dummy", device=args.device, dtype=args.dtype,
                num_gpu_blocks_override=blocks or args.blocks, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=PREFILL_CHUNK,
                max_model_len=args.max_model_len, kv_min_tokens=0, kv_reclamation=reclamation,
                enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype, seed=0)
 
@@ -98,11 +100,18 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> List[List[int]]:
 
 
 # ---- decode ---------------------------------------------------------------------------------
+def decode_tokens(args, batch: int) -> int:
+    """Output tokens a decode request may need: the first requests' prefills finish up to
+    batch * prompt_len / PREFILL_CHUNK steps before the last one's (batch 64 of 256-token
+    prompts: 8 steps), and they decode in those steps, then warm-up and timed steps."""
+    return -(-batch * args.prompt_len // PREFILL_CHUNK) + args.warmup + args.steps + 4
+
+
 def engine_decode(eng, ev: KVEvictionParams, batch: int, args, tag: str) -> Dict:
     """Steady-state decode of `batch` requests: prefill, args.warmup decode steps (graph capture),
     then args.steps timed steps in which every request decodes one token."""
     ids = [f"{tag}-{i}" for i in range(batch)]
-    params = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 4,
+    params = SamplingParams(temperature=0, max_tokens=decode_tokens(args, batch),
                             ignore_eos=True)
     for rid, p in zip(ids, prompts(batch, args.prompt_len, args.vocab, seed=batch)):
         eng.add_request(rid, {"prompt_token_ids": p}, params, kv_eviction=ev)
@@ -391,8 +400,8 @@ def part_fp8(args, out: Dict) -> None:
     """Native and vToken decode over an fp8 KV cache against the model's dtype, batch by batch
     (the first batch's ratios saved before the next batch runs)."""
     run = argparse.Namespace(**{**vars(args), "prompt_len": args.fp8_context})
-    per_request = -(-(args.fp8_context + args.warmup + args.steps + 4) // 16)
-    blocks = max(args.blocks, max(args.fp8_batches) * per_request)
+    b = max(args.fp8_batches)
+    blocks = max(args.blocks, b * -(-(args.fp8_context + decode_tokens(run, b)) // 16))
     engines = {kv: build_engine(args, "vtoken", kv, blocks).llm_engine
                for kv in ("auto", FP8_KV)}
     res = out["fp8"] = {"kv_cache_dtype": FP8_KV, "context": args.fp8_context, "blocks": blocks,
@@ -460,8 +469,9 @@ def parse(argv=None):
     scale = args.capacity_scale or (1 / 64 if args.quick else 0.25)
     args.cap_prompt_len, args.output_len = round(4032 * scale), round(12288 * scale)
     args.blocks = round(5427 * scale)
-    decode_len = args.prompt_len + args.warmup + args.steps + 4
-    fp8_len = args.fp8_context + args.warmup + args.steps + 4
+    decode_len = args.prompt_len + max(decode_tokens(args, b) for b in args.batches)
+    fp8_run = argparse.Namespace(**{**vars(args), "prompt_len": args.fp8_context})
+    fp8_len = args.fp8_context + max(decode_tokens(fp8_run, b) for b in args.fp8_batches)
     args.max_num_seqs = max(args.batches + args.fp8_batches + [32])
     args.max_model_len = max(decode_len, fp8_len, args.cap_prompt_len + args.output_len) + 16
     need = max(args.batches) * -(-decode_len // 16)

@@ -18,7 +18,8 @@ if not torch.cuda.is_available():   # before any triton kernel module is importe
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.conftest import random_prompts  # noqa: E402
-from tests.kernel_refs import decode_reference, moves, paged_scene, rel_err  # noqa: E402
+from tests.kernel_refs import (decode_reference, moves, paged_scene, rel_err,  # noqa: E402
+                               same_fp8_codes)
 from tests.test_kv_cache_dtype import hard_values  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm import cuda_kernels  # noqa: E402
@@ -64,7 +65,8 @@ def test_write_kv_bytes_equal_quantize(dtype, src):
         got = kv_quant.bytes_(cache[0])[slots[keep]]
         want_k = kv_quant.quantize(k[keep], k_scale, dtype).view(torch.uint8)
         want_v = kv_quant.quantize(v[keep], v_scale, dtype).view(torch.uint8)
-        assert torch.equal(got[:, 0], want_k) and torch.equal(got[:, 1], want_v), k_scale
+        assert same_fp8_codes(got[:, 0], want_k, dtype), k_scale
+        assert same_fp8_codes(got[:, 1], want_v, dtype), k_scale
         untouched = torch.ones(t + 4, dtype=torch.bool)
         untouched[slots[keep]] = False
         assert kv_quant.bytes_(cache[0])[untouched].eq(0x55).all()

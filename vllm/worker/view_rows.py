@@ -79,7 +79,7 @@ def _squeeze(table, rows, lens, drop_row, drop_pos, width: int) -> None:
     """
     sub = table[rows, :width]
     keep = torch.arange(width, device=table.device)[None, :] < lens[:, None]
-    keep[drop_row, drop_pos] = False
+    keep.index_put_((drop_row, drop_pos), keep.new_zeros(()))   # (`= False`: a host copy, a sync)
     dest = torch.where(keep, keep.cumsum(1) - 1, width)
     out = torch.full((len(sub), width + 1), -1, dtype=table.dtype, device=table.device)
     out.scatter_(1, dest, sub)
