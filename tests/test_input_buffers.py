@@ -130,6 +130,21 @@ def test_flat_ranges_and_view_rows_example():
     assert sorted(p.idx.tolist()[2:]) == list(range(20, 25)) and set(p.val[2:]) == {-1}
 
 
+def test_moved_row_squeezes_a_drop_past_its_kept_prefix():
+    """Request 7 finished, so 8 moves from row 1 to row 0 (which held 3 slots); 8 evicted
+    position 25 of its 30 and relocated from position 5 on (keep 5): the move must carry the
+    columns the squeeze reads, not only the kept ones."""
+    buf = InputBuffers(max_tokens=4, max_seqs=2, max_view_len=32)
+    old = [np.arange(3), np.arange(100, 130)]
+    none = np.zeros(2, np.int64)
+    buf.update(np.arange(2), np.arange(2), np.arange(2), old, np.array([7, 8]), none, none,
+               np.empty(0, np.int64))
+    new = np.concatenate([np.arange(100, 105), np.arange(500, 525)])     # 30 - 1 dropped + 1
+    buf.update(np.arange(1), np.arange(1), np.arange(1), [new], np.array([8]), np.array([5]),
+               np.array([1]), np.array([25]))
+    assert buf.view_slots.numpy().tolist() == expected_table([new], 2, 32).tolist()
+
+
 class Traffic:
     """Decode steps as the engine sends them: requests arrive and finish, rows reorder, most
     rows append one slot, some evict (drops), some relocate (keep up to the first moved slot)

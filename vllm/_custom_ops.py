@@ -143,7 +143,7 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     padded = slot_mapping < 0
     if bool(padded.any()):        # a host check: free on CPU, a sync on CUDA without Triton
         slot_mapping, kv = slot_mapping[~padded], kv[~padded]
-    kv_cache[slot_mapping] = kv
+    kv_cache[slot_mapping] = kv.to(kv_cache.dtype)      # bfloat16 cache: rounded to nearest even
 
 
 # ---- decode attention ---------------------------------------------------------------------------

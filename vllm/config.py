@@ -7,13 +7,14 @@ from typing import Any, Optional
 
 import torch
 
+from vllm.attention.kv_quant import KV_CACHE_DTYPES
+
 EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-window",
                      "random", "tova", "snapkv", "knorm", "keydiff")
 RECLAMATION_MODES = ("vtoken", "vtoken-fill", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")
 QUANTIZATION_METHODS = ("auto", "gguf", "none")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _check(cond: bool, flag: str, message: str) -> None:
@@ -72,7 +73,7 @@ class CacheConfig:
     kv_cache_memory: Optional[int] = None     # bytes (CPU); default: a fraction of free RAM
     enable_prefix_caching: bool = False
     gpu_memory_utilization: float = 0.9       # CUDA: share of GPU memory for weights + KV + work
-    kv_cache_dtype: str = "auto"              # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    kv_cache_dtype: str = "auto"              # auto (the model's dtype) | bfloat16 | fp8 | ...
     calculate_kv_scales: bool = False         # fp8: scales from the first prefill (else 1.0)
 
     def __post_init__(self):

@@ -319,7 +319,9 @@ static inline ivec as_bits(vec f) { ivec v; memcpy(&v, &f, sizeof v); return v; 
 #define KV_F32 0
 #define KV_E4M3 1
 #define KV_E5M2 2
+#define KV_BF16 3             /* --kv-cache-dtype bfloat16: the top half of each float32 */
 #define FP8_UNIT(fmt) ((fmt) == KV_E4M3 ? 256.f : 1.f)
+#define KV_BYTES(fmt) ((fmt) == KV_F32 ? 4 : (fmt) == KV_BF16 ? 2 : 1)   /* per cached value */
 
 #if defined(VTOK_ISA_AVX512)
 static inline vec fp8_load(const uint8_t *p, const int fmt) {
@@ -374,6 +376,7 @@ static inline vec fp8_load(const uint8_t *p, const int fmt) {
 static inline __attribute__((always_inline)) vec kv_load(const char *base, int64_t i,
                                                          const int fmt) {
   if (fmt == KV_F32) return load((const float *)base + i);
+  if (fmt == KV_BF16) return load_w(base, i, 1);
   return fp8_load((const uint8_t *)base + i, fmt);
 }
 
@@ -409,9 +412,20 @@ static void fp8_store_row(const float *x, uint8_t *dst, int64_t n, float inv, co
   for (int64_t i = 0; i < n; i++) dst[i] = fp8_store(x[i], inv, fmt);
 }
 
-/* x[0:n] -> a cache row of format fmt at dst (float32: a copy; inv unused) */
+/* one float -> bf16 rounded to nearest even, NaN -> 0x7fc0 (torch's conversion): 1 + 2^-8
+   (0x3f808000, a tie) -> 0x3f80, 1 + 3 * 2^-8 (0x3f818000) -> 0x3f82 */
+static inline uint16_t bf16_round(float x) {
+  uint32_t b;
+  memcpy(&b, &x, sizeof b);
+  if (x != x) return 0x7fc0;
+  return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1)) >> 16);
+}
+
+/* x[0:n] -> a cache row of format fmt at dst (float32: a copy; inv unused but for fp8) */
 static void kv_store_row(const float *x, char *dst, int64_t n, float inv, int fmt) {
   if (fmt == KV_F32) memcpy(dst, x, n * sizeof(float));
+  else if (fmt == KV_BF16)
+    for (int64_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = bf16_round(x[i]);
   else if (fmt == KV_E4M3) fp8_store_row(x, (uint8_t *)dst, n, inv, KV_E4M3);
   else fp8_store_row(x, (uint8_t *)dst, n, inv, KV_E5M2);
 }
@@ -533,7 +547,7 @@ static inline __attribute__((always_inline)) void weigh_values(
     const char *kv, const int64_t *slot_row, int64_t n, int64_t row, int64_t offset,
     const float *p, int64_t lmax, float *out, int64_t D, const int heads, const int vecs,
     const int fmt, float v_scale) {
-  const int64_t es = fmt == KV_F32 ? 4 : 1;                /* bytes per cached value */
+  const int64_t es = KV_BYTES(fmt);
   vec acc[2 * AV_HEADS][AV_VECS];                          /* the fp8 passes' shape fits too */
   for (int g = 0; g < heads; g++)
     for (int v = 0; v < vecs; v++) acc[g][v] = splat(0.f);
@@ -559,7 +573,7 @@ static inline __attribute__((always_inline)) void weigh_values(
   break;
 
 /* One request b, one KV head kh: its G query heads against the request's n live keys.
-   Scores and probabilities go to probs[g * lmax + j]; D % 16 == 0. fp8 (fmt): a block's VEC
+   Scores and probabilities go to probs[g * lmax + j]; D % 16 == 0. fp8 / bf16 (fmt): a block's VEC
    keys are converted once into kbuf (L1) and read by all G query heads from there; values are
    converted in registers as they are weighed, and its K and V lines are prefetched together. */
 static inline __attribute__((always_inline)) void attend_group(
@@ -567,7 +581,7 @@ static inline __attribute__((always_inline)) void attend_group(
     int64_t G, int64_t D, float scale, float *probs, int64_t lmax, float *out, const int fmt,
     float v_scale) {
   const int64_t row = 2 * KVH * D;                          /* values per slot (K and V) */
-  const int64_t es = fmt == KV_F32 ? 4 : 1;                 /* bytes per cached value */
+  const int64_t es = KV_BYTES(fmt);
   float kbuf[fmt == KV_F32 ? 1 : VEC * D];
   for (int64_t j0 = 0; j0 < n; j0 += VEC) {
     int block = n - j0 < VEC ? (int)(n - j0) : VEC;
@@ -632,7 +646,8 @@ static inline __attribute__((always_inline)) void attend_group(
    slots [B, ld_slots]: row b's first lens[b] entries are its attention view, negative = padding;
    probs: scratch [B, H, round16(lmax)] with lmax >= every lens[b]; out [B, H, D];
    mass [B, ld_mass] or NULL: += each key's attention probability summed over all H heads.
-   fmt: the cache's format (KV_F32, KV_E4M3, KV_E5M2); k_scale, v_scale: its scales (fp8).
+   fmt: the cache's format (KV_F32, KV_E4M3, KV_E5M2, KV_BF16); k_scale, v_scale: its scales
+   (fp8; 1 otherwise).
    The format is picked inside the parallel loop: OpenMP outlines a parallel region's body before
    inlining, so a format passed into the region stays a run-time value in there. */
 void vtok_decode_attention(const float *q, const void *kv, const int64_t *slots,
@@ -655,6 +670,9 @@ void vtok_decode_attention(const float *q, const void *kv, const int64_t *slots,
       else if (fmt == KV_E5M2)
         attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
                      KV_E5M2, vs);
+      else if (fmt == KV_BF16)
+        attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
+                     KV_BF16, vs);
       else
         attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
                      KV_F32, vs);
@@ -744,7 +762,7 @@ void vtok_rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t KVH, int
                         const float *cos, const float *sin, const int64_t *slot_mapping,
                         void *kv, float *q_out, int fmt, float k_scale, float v_scale) {
   const int64_t half = D / 2, width = (H + 2 * KVH) * D;
-  const int64_t es = fmt == KV_F32 ? 4 : 1;
+  const int64_t es = KV_BYTES(fmt);
   const float inv_k = inverse(k_scale), inv_v = inverse(v_scale);
 #pragma omp parallel for schedule(static) if (T > 64)
   for (int64_t t = 0; t < T; t++) {
@@ -763,7 +781,7 @@ void vtok_rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t KVH, int
         dst[i] = lo;
         dst[i + half] = hi;
       }
-      if (dst == rotated) kv_store_row(rotated, k_dst + (h - H) * D, D, inv_k, fmt);
+      if (dst == rotated) kv_store_row(rotated, k_dst + (h - H) * D * es, D, inv_k, fmt);
     }
     if (k_dst) kv_store_row(row + (H + KVH) * D, k_dst + KVH * D * es, KVH * D, inv_v, fmt);
   }
@@ -850,7 +868,7 @@ int vtok_decode_layers(const vtok_layer *layers, int64_t n, float *x, int64_t M,
                         int64_t ld_views, const int64_t *lens, int64_t lmax, float *mass,
                         int64_t ld_mass, float *scratch, int prefetch, int fmt,
                         const float *scales) {
-  const int64_t es = fmt == KV_F32 ? 4 : 1;
+  const int64_t es = KV_BYTES(fmt);
   for (int64_t i = 0; i < n; i++)
     if (vtok_decode_layer(layers + i, x, M, cos, sin, slot_mapping,
                           (char *)kv + i * kv_layer_stride * es, views, ld_views, lens, lmax,

@@ -1,6 +1,8 @@
 """The KV cache's storage format (--kv-cache-dtype) and its scales.
 
     auto       the model's dtype (float32 on CPU): stored as computed
+    bfloat16   torch.bfloat16: half float32's bytes, rounded to nearest even (the CPU kernels
+               widen it exactly as they read; on CUDA it is the bf16 model's own cache)
     fp8        = fp8_e4m3
     fp8_e4m3   torch.float8_e4m3fn (max finite 448, 3 mantissa bits)
     fp8_e5m2   torch.float8_e5m2   (max finite 57344, 2 mantissa bits)
@@ -36,11 +38,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
               "fp8_e5m2": torch.float8_e5m2}
-# the C kernels' format codes (csrc/cpu/decode_kernels.c KV_F32 / KV_E4M3 / KV_E5M2)
-FORMAT_CODES = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# the C kernels' format codes (csrc/cpu/decode_kernels.c KV_F32 / KV_E4M3 / KV_E5M2 / KV_BF16)
+FORMAT_CODES = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2,
+                torch.bfloat16: 3}
 
 
 def is_fp8(t: torch.Tensor) -> bool:
@@ -54,16 +57,26 @@ def is_fp8_dtype(dtype: torch.dtype) -> bool:
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype == "bfloat16":
+        return torch.bfloat16
     return FP8_DTYPES[kv_cache_dtype]
 
 
-def check_device(kv_cache_dtype: str, device: torch.device) -> None:
+def check_device(kv_cache_dtype: str, device: torch.device,
+                 model_dtype: torch.dtype = torch.bfloat16) -> None:
     """A clear ValueError, naming the flag, where `device` cannot run this cache format: fp8
     runs on CPU (the C kernels, torch) and on CUDA from sm_80 (Triton; torch without it), but
-    Triton has no e4m3fn before sm_89 (Ada, Hopper), so fp8 / fp8_e4m3 there is refused."""
+    Triton has no e4m3fn before sm_89 (Ada, Hopper), so fp8 / fp8_e4m3 there is refused.
+    bfloat16 runs on CPU under any model dtype, on CUDA as a bf16 model's own cache only."""
     if kv_cache_dtype == "auto" or device.type == "cpu":
         return
     flag = f"--kv-cache-dtype {kv_cache_dtype}"
+    if kv_cache_dtype == "bfloat16":
+        if model_dtype != torch.bfloat16:
+            raise ValueError(f"{flag}: on {device.type} the KV cache is bfloat16 only under "
+                             f"--dtype bfloat16 (the default there), not {model_dtype}; use "
+                             f"--kv-cache-dtype auto")
+        return
     if device.type != "cuda":
         raise ValueError(f"{flag}: an fp8 KV cache runs on cpu and cuda, not {device.type}; "
                          f"use --kv-cache-dtype auto")
@@ -131,7 +144,7 @@ def gather(kv_cache: torch.Tensor, slots: torch.Tensor,
     queries' dtype): fp8 -> dtype is exact, then one rounding of x * scale computed in float32
     (dtype's tensor times the float32 scales), with the layer's device scales (no host sync)."""
     if not is_fp8(kv_cache):
-        return kv_cache.index_select(0, slots)
+        return kv_cache.index_select(0, slots).to(dtype)     # bfloat16 under float32: exact
     kv = bytes_(kv_cache).index_select(0, slots).view(kv_cache.dtype).to(dtype)
     return kv.mul_(scale_row(kv_cache)[:2].view(1, 2, 1, 1))
 

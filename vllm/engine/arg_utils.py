@@ -93,9 +93,11 @@ class EngineArgs:
             help="CUDA: share of the GPU's memory for weights, activations and the KV cache; "
                  "the KV pool gets what a profiling forward leaves of it")
         add("--kv-cache-dtype", type=str, default="auto", choices=list(KV_CACHE_DTYPES),
-            help="KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 "
-                 "store one byte per value (4x the tokens of float32, 2x those of bf16, in "
-                 "the same memory; CPU, and CUDA from sm_80 (e4m3 from sm_89))")
+            help="KV cache storage: auto = the model's dtype; bfloat16 stores two bytes per "
+                 "value (CPU: 2x the tokens of float32; CUDA: a bf16 model's own cache); fp8 "
+                 "(= fp8_e4m3) or fp8_e5m2 store one byte per value (4x the tokens of "
+                 "float32, 2x those of bf16, in the same memory; CPU, and CUDA from sm_80 "
+                 "(e4m3 from sm_89))")
         add("--calculate-kv-scales", action="store_true",
             help="fp8 KV cache: each layer's K and V scales from its first write (the first "
                  "prefill's amax, with 2x headroom) instead of 1.0")

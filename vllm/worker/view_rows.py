@@ -126,7 +126,10 @@ class ViewRows:
             "a view keeps more slots than its row holds"
         out = ViewPatch()
         extent = self.extent[:b].copy()
-        need = np.minimum(old_lens, kept + ndrop)          # old columns the row still reads
+        # old columns the row still reads: its kept prefix and the drops inside it, or all of
+        # them where it has drops (a squeeze reads the row up to its last drop, which may lie
+        # past keep + drops when the view changed after it: a relocation)
+        need = np.where(ndrop > 0, old_lens, np.minimum(old_lens, kept + ndrop))
         moved = held & (src != np.arange(b)) & (need > 0)
         if moved.any():
             out.move_src, out.move_dst = src[moved], np.flatnonzero(moved)

@@ -67,7 +67,7 @@ class Worker:
         self.tp = tp or TPGroup()
         mc = config.model_config
         self.device = self.tp.device if self.tp.world_size > 1 else torch.device(mc.device)
-        kv_quant.check_device(config.cache_config.kv_cache_dtype, self.device)
+        kv_quant.check_device(config.cache_config.kv_cache_dtype, self.device, DTYPES[mc.dtype])
         if self.device.type == "cuda":
             if self.device.index is None:    # "cuda": the current device, named by its index
                 self.device = torch.device("cuda", torch.cuda.current_device())

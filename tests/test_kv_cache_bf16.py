@@ -1,0 +1,249 @@
+"""--kv-cache-dtype bfloat16 (CPU): writes equal torch's float32 -> bf16 cast bit for bit (the
+C writer on every variant this CPU runs, and the torch path), attention over bf16 K/V on every C
+variant, the torch path and the fused decode layer matches a float64 reference of the bf16
+values, relocation moves the bytes exactly, and the engine end to end: every policy and
+reclamation mode token-identical on the bf16 cache, 2x the blocks of float32, tokens and logits
+close to the float32 cache's. On CUDA the flag names a bf16 model's own cache."""
+import pytest
+import torch
+
+from tests.conftest import random_prompts
+from tests.kernel_refs import decode_reference, paged_scene, rel_err
+from tests.test_kv_cache_dtype import cpu_built, generate, isa  # noqa: F401 (fixture)
+from vllm import LLM
+from vllm import _custom_ops as ops
+from vllm import cpu_kernels
+from vllm.attention import kv_quant
+
+BF16 = torch.bfloat16
+
+
+def hard_values(n_random=4000, seed=0) -> torch.Tensor:
+    """Ties between neighbouring bf16 values (round to even), points just off them, bf16
+    subnormals, values that round past the largest finite bf16 (-> inf), +-inf, NaN, random."""
+    g = torch.Generator().manual_seed(seed)
+    rand = torch.randn(n_random, generator=g) * torch.exp(torch.randn(n_random, generator=g) * 6)
+    grid = rand.bfloat16().float()
+    step = grid.abs() * 2.0 ** -8                             # half a bf16 unit, about
+    bits = grid.view(torch.int32)
+    tie = (bits + 0x8000).view(torch.float32)                 # exactly halfway to the next bf16
+    big = float(torch.finfo(BF16).max)
+    extra = torch.tensor([0.0, -0.0, big, big * 1.004, -big * 1.01, 1e-40, -1e-39,
+                          float("inf"), -float("inf"), float("nan")])
+    return torch.cat([rand, tie, tie + step * 1e-3, tie - step * 1e-3, extra])
+
+
+def bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.to(BF16).view(torch.int16)
+
+
+def test_torch_write_equals_torch_cast():
+    vals = hard_values()
+    kvh, d = 2, 16
+    t = len(vals) // (2 * kvh * d)
+    k, v = vals[:2 * t * kvh * d].view(2, t, kvh, d)
+    cache = torch.zeros(t + 3, 2, kvh, d, dtype=BF16)
+    slots = torch.randperm(t + 3)[:t]
+    slots[0] = -1                                            # padding: no write
+    ops.write_kv(cache, slots, k, v, backend="torch")
+    keep = slots >= 0
+    got = cache.view(torch.int16)[slots[keep]]
+    assert torch.equal(got[:, 0], bf16_bits(k[keep])) and torch.equal(got[:, 1], bf16_bits(v[keep]))
+    back = kv_quant.gather(cache, slots[keep])               # widened exactly to float32
+    assert back.dtype == torch.float32 and torch.equal(back, cache[slots[keep]].float())
+
+
+@cpu_built
+def test_c_write_equals_torch_cast(isa):
+    """The C writer (rope_write_kv) against torch's cast, bit for bit (NaN -> 0x7fc0, ties to
+    even, overflow to inf): cos 1, sin 0 leaves K as computed; then a real rotation against the
+    float32 kernel's rotated values cast by torch."""
+    kvh, d, h = 2, 16, 2
+    vals = hard_values()
+    t = len(vals) // (2 * kvh * d)
+    kv_part = vals[:t * 2 * kvh * d].view(t, 2 * kvh * d)
+    for rotate in (False, True):
+        qkv = torch.cat([torch.randn(t, h * d), kv_part], dim=1)
+        cos, sin = torch.ones(t, d), torch.zeros(t, d)
+        if rotate:
+            qkv = torch.randn(t, (h + 2 * kvh) * d) * 30
+            ang = torch.rand(t, d // 2) * 6.28
+            cos, sin = torch.cos(ang).repeat(1, 2), torch.sin(ang).repeat(1, 2)
+        slots = torch.randperm(t + 5)[:t]
+        slots[3] = -1
+        ref32 = torch.zeros(t + 5, 2, kvh, d)
+        q32 = cpu_kernels.rope_write_kv(qkv, cos, sin, slots, ref32, h)
+        cache = torch.zeros(t + 5, 2, kvh, d, dtype=BF16)
+        q = cpu_kernels.rope_write_kv(qkv, cos, sin, slots, cache, h)
+        assert torch.equal(q, q32)
+        keep = slots[slots >= 0]
+        assert torch.equal(cache.view(torch.int16)[keep], bf16_bits(ref32[keep])), rotate
+        untouched = torch.ones(t + 5, dtype=torch.bool)
+        untouched[keep] = False
+        assert not cache.view(torch.int16)[untouched].any()
+
+
+def bf16_scene(lens, kvh, d, seed):
+    """paged_scene's K/V in a bf16 cache -> (cache [S, 2, KVH, D], its values as float32,
+    slots, lens)."""
+    kv, slots, lens_t = paged_scene(lens, kvh, d, seed=seed, num_blocks=100, pad=-1)
+    cache = (kv * 3).to(BF16)
+    return cache, cache.float(), slots, lens_t
+
+
+@cpu_built
+@pytest.mark.parametrize("h,kvh,d", [(4, 2, 16), (9, 3, 64), (14, 2, 128)])
+def test_c_decode_over_bf16_matches_float64_reference(isa, h, kvh, d):
+    lens = [5, 37, 1, 90, 0]
+    cache, vals, slots, lens_t = bf16_scene(lens, kvh, d, h + d)
+    q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(3))
+    ref_out, ref_mass = decode_reference(q, vals, slots, lens_t, 0.25)
+    mass = torch.ones(slots.shape)
+    out = ops.decode_attention(q, cache, slots, lens_t, 0.25, mass, backend="cpu")
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(mass - 1, ref_mass) < 1e-5
+    assert torch.equal(out[4], torch.zeros(h, d))
+
+
+@cpu_built
+def test_c_attention_reads_every_value_exactly(isa):
+    """One key per request: its probability is exactly 1, so the output is its V as the kernel
+    widens it, bit for bit the bf16 value (3 query heads a KV head: avx2's one-pass values)."""
+    d, rows = 64, 40
+    v = torch.randn(rows, d).mul(torch.exp(torch.randn(rows, d) * 5)).to(BF16)
+    cache = torch.zeros(rows + 1, 2, 1, d, dtype=BF16)
+    cache[1:, 1, 0] = v
+    slots = torch.arange(1, rows + 1)[:, None]
+    out = ops.decode_attention(torch.randn(rows, 3, d), cache, slots,
+                               torch.ones(rows, dtype=torch.int64), 0.125, backend="cpu")
+    for h in range(3):
+        assert torch.equal(out[:, h], v.float())
+
+
+def test_torch_decode_and_prefill_over_bf16_match_reference():
+    from tests.kernel_refs import prefill_reference
+    from vllm.attention.backend import PrefillSpan, _prefill
+    h, kvh, d = 6, 2, 16
+    cache, vals, slots, lens_t = bf16_scene([5, 37, 20], kvh, d, 4)
+    q = torch.randn(3, h, d, generator=torch.Generator().manual_seed(1))
+    ref_out, ref_mass = decode_reference(q, vals, slots, lens_t, 0.25)
+    mass = torch.zeros(slots.shape)
+    out = ops.decode_attention(q, cache, slots, lens_t, 0.25, mass, backend="torch")
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(mass, ref_mass) < 1e-5
+    view = slots[1, :37]
+    qp = torch.randn(7, h, d)
+    got = _prefill(qp, cache, PrefillSpan(0, 7, view, None), 0.25)
+    mask = torch.ones(7, 37, dtype=torch.bool).tril(30)
+    ref = prefill_reference(qp.transpose(0, 1), vals[view, 0].transpose(0, 1),
+                            vals[view, 1].transpose(0, 1), mask, 0.25).transpose(0, 1)
+    assert rel_err(got, ref) < 1e-5
+
+
+@cpu_built
+def test_fused_decode_layer_over_bf16(isa, monkeypatch):
+    """The fused C decode layer on a bf16 cache: the new token's K/V written as rope_write_kv
+    writes them, the output the per-op C path's over the same cache."""
+    from tests.test_kernels import _forced_plan, _layer_scene
+    from vllm.model_executor.models.llama import DecoderLayer, Rotary
+    cfg, w, x, positions, kv32, meta = _layer_scene(m=4, context=40)
+    kvh, d = cfg.num_key_value_heads, cfg.head_dim
+    plan = _forced_plan(monkeypatch, "c", {(64, 128): 1, (64, 64): 1, (64, 192): 1, (96, 64): 1},
+                        (4, kvh, d))
+    layer = DecoderLayer(cfg, w, "l", plan)
+    if layer.fused is None:
+        pytest.skip("no fused layer for these shapes")
+    rotary = Rotary(d, 128, 10000.0, {"rope_type": "default"}, torch.float32)
+    cos, sin = rotary.cos[positions], rotary.sin[positions]
+    caches = [kv32.to(BF16), kv32.to(BF16)]
+    fused = cpu_kernels.decode_layer(layer.fused, x.clone(), cos, sin, meta.slot_mapping,
+                                     caches[0], meta.decode_views, meta.decode_lens, None,
+                                     cpu_kernels.decode_scratch(layer.fused, 4, meta.decode_views))
+    per_op = layer(x.clone(), cos, sin, rotary, caches[1], meta)
+    assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
+    assert rel_err(fused, per_op) < 1e-4
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_relocation_moves_bf16_bytes_exactly(backend):
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(-2 ** 15, 2 ** 15, (3, 64, 2, 2, 16), dtype=torch.int16, generator=g)
+    kv = raw.clone().view(BF16)
+    perm = torch.randperm(64, generator=g)
+    src, dst = perm[:20], perm[20:40]
+    ops.relocate_kv(kv, src, dst, backend)
+    expect = raw.clone()
+    expect[:, dst] = raw[:, src]
+    assert torch.equal(kv.view(torch.int16), expect)
+
+
+def test_cuda_needs_a_bf16_model():
+    kv_quant.check_device("bfloat16", torch.device("cpu"), torch.float32)     # CPU: any dtype
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16.*--dtype bfloat16"):
+        kv_quant.check_device("bfloat16", torch.device("cuda"), torch.float32)
+
+
+# ---- end to end on the tiny model -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(5, seed=7, lo=60, hi=140)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "tova", "knorm", "keydiff", "streamingllm"])
+def test_engine_naive_and_vtoken_token_identical(tiny_llama, prompts, policy):
+    kw = dict(kv_cache_dtype="bfloat16", kv_eviction_policy=policy, kv_eviction_ratio=0.5)
+    llm, naive, _ = generate(tiny_llama, prompts, kv_reclamation="none", **kw)
+    assert llm.llm_engine.kv_caches.dtype == BF16
+    _, vtok, outs = generate(tiny_llama, prompts, kv_reclamation="vtoken", kv_frag_threshold=0.0,
+                             **kw)
+    _, fill, _ = generate(tiny_llama, prompts, kv_reclamation="vtoken-fill",
+                          kv_frag_threshold=0.0, **kw)
+    assert vtok == naive and fill == naive
+    assert all(o.kv_stats["evicted_tokens"] > 0 for o in outs.values())
+
+
+def test_prefix_caching_on_bf16_equals_off(tiny_llama):
+    shared = random_prompts(1, seed=2, lo=64, hi=65)[0]
+    ps = [shared + p for p in random_prompts(4, seed=9, lo=8, hi=30)]
+    kw = dict(kv_cache_dtype="bfloat16")
+    _, off, _ = generate(tiny_llama, ps, **kw)
+    llm, on, _ = generate(tiny_llama, ps, enable_prefix_caching=True, **kw)
+    assert on == off
+
+
+def test_pool_holds_twice_the_blocks(tiny_llama):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.llm_engine import LLMEngine
+    n = {}
+    for dtype in ("auto", "bfloat16"):
+        eng = LLMEngine(EngineArgs(model=tiny_llama, kv_cache_dtype=dtype,
+                                   kv_cache_memory=3 << 20))
+        n[dtype] = eng.kv.num_blocks
+        assert eng.kv_caches.element_size() == (4 if dtype == "auto" else 2)
+    assert abs(n["bfloat16"] - 2 * n["auto"]) < 4
+
+
+def test_logits_close_to_fp32(tiny_llama):
+    """Every prompt position's next-token distribution with a bf16 cache against the float32
+    cache's: mean KL(fp32 || bf16) per position < 2e-3 nats, top-1 agreement >= 90% (the tiny
+    random model's near-flat distributions flip near-ties; test_kv_cache_dtype.py has fp8's)."""
+    from vllm.attention.backend import AttentionMetadata, PrefillSpan
+    model = LLM(tiny_llama, num_gpu_blocks_override=16).llm_engine.worker.model
+    cfg = model.config
+
+    def log_probs(ids, dtype):
+        t = len(ids)
+        kv = torch.zeros(cfg.num_hidden_layers, t, 2, model.num_kv_heads, cfg.head_dim,
+                         dtype=dtype)
+        meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decodes=0,
+                                 decode_views=torch.full((0, 1), -1),
+                                 decode_lens=torch.zeros(0, dtype=torch.int64),
+                                 prefills=[PrefillSpan(0, t, torch.arange(t), None)])
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.arange(t), kv, meta)
+            return torch.log_softmax(model.compute_logits(hidden).double(), -1)
+
+    for p in random_prompts(4, seed=3, lo=20, hi=80):
+        ref, lp = log_probs(p, torch.float32), log_probs(p, BF16)
+        kl = (ref.exp() * (ref - lp)).sum(-1)
+        assert kl.mean() < 2e-3, kl.mean()
+        assert (ref.argmax(-1) == lp.argmax(-1)).double().mean() >= 0.9
