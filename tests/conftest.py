@@ -11,7 +11,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+from vllm import cpu_kernels  # noqa: E402  (after TRITON_INTERPRET)
+
 VOCAB = 512
+
+
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request, monkeypatch):
+    """Each C kernel instruction-set variant this CPU can run (generic always), active for the
+    test."""
+    if request.param not in cpu_kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot run {request.param}")
+    monkeypatch.setenv("VLLM_CPU_ISA", request.param)
+    cpu_kernels.active_isa.cache_clear()
+    yield request.param
+    cpu_kernels.active_isa.cache_clear()
 
 
 def _tokenizer():

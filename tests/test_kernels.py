@@ -161,17 +161,6 @@ def test_triton_kernels_compile_for_sm90():
 cpu_built = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 
 
-@pytest.fixture(params=cpu_kernels.ISAS)
-def isa(request, monkeypatch):
-    """Each instruction-set variant this CPU can run (generic always), active for the test."""
-    if request.param not in cpu_kernels.runnable_isas():
-        pytest.skip(f"this CPU cannot run {request.param}")
-    monkeypatch.setenv("VLLM_CPU_ISA", request.param)
-    cpu_kernels.active_isa.cache_clear()
-    yield request.param
-    cpu_kernels.active_isa.cache_clear()
-
-
 def test_cpu_kernels_build_where_a_compiler_exists():
     """A source that stops compiling would silently fall back to torch: fail loudly instead."""
     import shutil

@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import random_prompts
 from tests.kernel_refs import decode_reference, paged_scene, rel_err
-from tests.test_kv_cache_dtype import cpu_built, generate, isa  # noqa: F401 (fixture)
+from tests.test_kv_cache_dtype import cpu_built, generate
 from vllm import LLM
 from vllm import _custom_ops as ops
 from vllm import cpu_kernels

@@ -19,17 +19,6 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 cpu_built = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 
 
-@pytest.fixture(params=cpu_kernels.ISAS)
-def isa(request, monkeypatch):
-    """Each instruction-set variant this CPU can run (generic always), active for the test."""
-    if request.param not in cpu_kernels.runnable_isas():
-        pytest.skip(f"this CPU cannot run {request.param}")
-    monkeypatch.setenv("VLLM_CPU_ISA", request.param)
-    cpu_kernels.active_isa.cache_clear()
-    yield request.param
-    cpu_kernels.active_isa.cache_clear()
-
-
 def torch_cast(x: torch.Tensor, scale: float, dtype) -> torch.Tensor:
     """What the cache must hold: torch's cast of x * (1 / scale) clamped to the finite range."""
     m = float(torch.finfo(dtype).max)
