@@ -18,12 +18,15 @@ total time including prefill, B * output_len / T; its decode-only S_TG is shown 
 --weights FORMAT (q4_1, q4_0, q8_0, bf16; default f32) runs the engine with --quantization gguf
 on a GGUF of that format and llama.cpp on the same file: the shipped Q4_1 file, or Q4_0 / Q8_0 /
 BF16 files requantized from it (common.requantized); the torch-path and transformers columns are
-float32 only and are left out.
+float32 only and are left out. --kv-cache-dtype bfloat16 gives the engine a 16-bit KV cache, as
+llama.cpp's own default (f16); the default auto keeps float32 KV on CPU.
 
     python benchmarks/benchmark_throughput.py            # batch 1, 16, 32
     python benchmarks/benchmark_throughput.py --quick    # batch 1, 16
     python benchmarks/benchmark_throughput.py --threads 2 --batch-sizes 1 8 16 32 --llamacpp DIR
     python benchmarks/benchmark_throughput.py --threads 2 --llamacpp DIR --weights q4_1
+    python benchmarks/benchmark_throughput.py --threads 2 --llamacpp DIR --weights q4_0 \
+        --kv-cache-dtype bfloat16
 """
 import statistics
 import subprocess
@@ -128,6 +131,8 @@ def main():
     p.add_argument("--weights", default="f32", choices=common.WEIGHT_FORMATS,
                    help="the default model's weight format, the same GGUF file for the engine "
                         "(--quantization gguf) and llama.cpp")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8"],
+                   help="the engine's KV cache (llama.cpp keeps its default f16)")
     common.add_llamacpp_args(p, "llama-batched-bench, one batch size at a time, taking turns "
                                 "with the engine")
     args = p.parse_args()
@@ -151,8 +156,9 @@ def main():
                 "version": common.llamacpp_version(binary),
                 "build": common.llamacpp_build(args.llamacpp)}
         print(f"llama.cpp {peer['version']}")
-    llm = (LLM(model_dir, max_num_seqs=max(batches)) if f32 else
-           LLM(gguf, quantization="gguf", max_num_seqs=max(batches)))
+    kv = dict(kv_cache_dtype=args.kv_cache_dtype)
+    llm = (LLM(model_dir, max_num_seqs=max(batches), **kv) if f32 else
+           LLM(gguf, quantization="gguf", max_num_seqs=max(batches), **kv))
     plan = cpu_kernel_plan.decisions()              # the paths the engine's model chose
     if plan:
         print(f"kernel plan ({plan['source']}): {cpu_kernel_plan.summary(plan)}")
@@ -161,7 +167,7 @@ def main():
     common.generate(llm, [(all_prompts[0], 8)])             # warm-up, every variant
     if f32:
         with ops.forced_backend("torch"):
-            llm_torch = LLM(model_dir, max_num_seqs=max(batches))
+            llm_torch = LLM(model_dir, max_num_seqs=max(batches), **kv)
             common.generate(llm_torch, [(all_prompts[0], 8)])
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                                dtype=torch.float32).eval()
@@ -201,8 +207,9 @@ def main():
         cols += ["torch_path_tok_s", "hf_tok_s", "ratio", "c_vs_torch_path"]
     if args.llamacpp:
         cols += ["llamacpp_tok_s", "llamacpp_decode_tok_s", "vs_llamacpp", "vs_llamacpp_min"]
-    title = (f"Offline generation, {args.weights.upper()} weights, {args.prompt_len}-token "
-             f"prompts + {args.output_len} new tokens, output tokens/s ({common.machine()})")
+    title = (f"Offline generation, {args.weights.upper()} weights, KV cache "
+             f"{args.kv_cache_dtype}, {args.prompt_len}-token prompts + {args.output_len} new "
+             f"tokens, output tokens/s ({common.machine()})")
     if args.llamacpp:
         title += (f"\nllama.cpp ({peer['build']}): llama-batched-bench, the same "
                   f"{args.weights.upper()} GGUF, "
@@ -239,7 +246,8 @@ def main():
     ax.set_ylim(0, 1.45 * top)                      # room for the legend
     if not args.llamacpp:
         ax.legend(fontsize=8, loc="upper left")
-    name = "benchmark_throughput" + ("" if f32 else f"_{args.weights}")
+    name = "benchmark_throughput" + ("" if f32 else f"_{args.weights}") + \
+        ("" if args.kv_cache_dtype == "auto" else f"_kv_{args.kv_cache_dtype}")
     common.save(name, {"args": vars(args), "rows": rows, "table": text, "kernel_plan": plan,
                        "llamacpp": peer or None}, fig)
 

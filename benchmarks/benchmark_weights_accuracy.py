@@ -17,6 +17,10 @@ top-20 next-token distributions (renormalised over the ids both list).
 
     python benchmarks/benchmark_weights_accuracy.py --llamacpp DIR [--formats f32 q4_1 bf16]
     python benchmarks/benchmark_weights_accuracy.py --chunks 4            # the engine alone
+    python benchmarks/benchmark_weights_accuracy.py --llamacpp DIR --kv-cache-dtype bfloat16
+
+--kv-cache-dtype bfloat16 runs every row, f32 included, with a 16-bit KV cache (llama.cpp's is
+f16 throughout); the default auto keeps float32 KV.
 """
 import argparse
 import math
@@ -92,11 +96,12 @@ def llamacpp_ppl(llamacpp: str, gguf: str, text_file: str, ctx: int, chunks: int
     return float(found.group(1))
 
 
-def engine(fmt: str, gguf: Optional[str]):
+def engine(fmt: str, gguf: Optional[str], kv_cache_dtype: str):
     from vllm import LLM
+    kw = dict(num_gpu_blocks_override=2048, kv_cache_dtype=kv_cache_dtype)
     if fmt == "f32":
-        return LLM(quantization="none", num_gpu_blocks_override=2048)
-    return LLM(model=gguf, quantization="gguf", num_gpu_blocks_override=2048)
+        return LLM(quantization="none", **kw)
+    return LLM(model=gguf, quantization="gguf", **kw)
 
 
 def main() -> None:
@@ -105,6 +110,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
     common.add_llamacpp_args(p, "llama-perplexity on the same file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -117,7 +123,7 @@ def main() -> None:
     rows, ref, wins = [], None, None
     for fmt in formats:
         gguf = common.weights_gguf(fmt, args.llamacpp, args.peer_scripts)
-        llm = engine(fmt, gguf)
+        llm = engine(fmt, gguf, args.kv_cache_dtype)
         if wins is None:
             wins = windows(llm.get_tokenizer(), text, args.ctx, args.chunks)
         scores = engine_scores(llm, wins)
@@ -142,8 +148,9 @@ def main() -> None:
     cols = ["format", "file", "ppl", "vs f32", "KL from f32"]
     if args.llamacpp:
         cols += ["llama.cpp ppl", "vs llama.cpp"]
-    title = (f"Perplexity by weight format, default model, {len(wins)} windows of {args.ctx} "
-             f"tokens, second halves scored ({common.machine()})")
+    title = (f"Perplexity by weight format, default model, KV cache {args.kv_cache_dtype}, "
+             f"{len(wins)} windows of {args.ctx} tokens, second halves scored "
+             f"({common.machine()})")
     text_table = common.table(rows, cols, title)
     fig, ax = common.plt().subplots(figsize=(6, 3.2))
     x = range(len(rows))
@@ -155,7 +162,8 @@ def main() -> None:
     ax.set_ylabel("perplexity")
     ax.set_title("Default model perplexity by weight format", fontsize=9)
     ax.legend(fontsize=8)
-    common.save("benchmark_weights_accuracy", {"args": vars(args), "rows": rows,
+    kv = "" if args.kv_cache_dtype == "auto" else f"_kv_{args.kv_cache_dtype}"
+    common.save("benchmark_weights_accuracy" + kv, {"args": vars(args), "rows": rows,
                                                "table": text_table, "tokens_scored":
                                                len(wins) * (args.ctx // 2 - 1)}, fig)
 
