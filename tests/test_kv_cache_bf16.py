@@ -1,15 +1,15 @@
 """--kv-cache-dtype bfloat16 (CPU): writes equal torch's float32 -> bf16 cast bit for bit (the
 C writer on every variant this CPU runs, and the torch path), attention over bf16 K/V on every C
 variant, the torch path and the fused decode layer matches a float64 reference of the bf16
-values, relocation moves the bytes exactly, and the engine end to end: every policy and
-reclamation mode token-identical on the bf16 cache, 2x the blocks of float32, tokens and logits
-close to the float32 cache's. On CUDA the flag names a bf16 model's own cache."""
+values, and the engine end to end: prefix caching on equals off, 2x the blocks of float32,
+logits close to the float32 cache's. On CUDA the flag names a bf16 model's own cache.
+Relocation's bytes and every policy x reclamation mode: tests/test_kv_cache_dtype.py."""
 import pytest
 import torch
 
 from tests.conftest import random_prompts
 from tests.kernel_refs import decode_reference, paged_scene, rel_err
-from tests.test_kv_cache_dtype import cpu_built, generate
+from tests.test_kv_cache_dtype import cpu_built, generate, prompt_log_probs
 from vllm import LLM
 from vllm import _custom_ops as ops
 from vllm import cpu_kernels
@@ -163,19 +163,6 @@ def test_fused_decode_layer_over_bf16(isa, monkeypatch):
     assert rel_err(fused, per_op) < 1e-4
 
 
-@pytest.mark.parametrize("backend", [None, "torch"])
-def test_relocation_moves_bf16_bytes_exactly(backend):
-    g = torch.Generator().manual_seed(0)
-    raw = torch.randint(-2 ** 15, 2 ** 15, (3, 64, 2, 2, 16), dtype=torch.int16, generator=g)
-    kv = raw.clone().view(BF16)
-    perm = torch.randperm(64, generator=g)
-    src, dst = perm[:20], perm[20:40]
-    ops.relocate_kv(kv, src, dst, backend)
-    expect = raw.clone()
-    expect[:, dst] = raw[:, src]
-    assert torch.equal(kv.view(torch.int16), expect)
-
-
 def test_cuda_needs_a_bf16_model():
     kv_quant.check_device("bfloat16", torch.device("cpu"), torch.float32)     # CPU: any dtype
     with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16.*--dtype bfloat16"):
@@ -183,24 +170,6 @@ def test_cuda_needs_a_bf16_model():
 
 
 # ---- end to end on the tiny model -----------------------------------------------------------
-@pytest.fixture(scope="module")
-def prompts():
-    return random_prompts(5, seed=7, lo=60, hi=140)
-
-
-@pytest.mark.parametrize("policy", ["h2o", "snapkv", "tova", "knorm", "keydiff", "streamingllm"])
-def test_engine_naive_and_vtoken_token_identical(tiny_llama, prompts, policy):
-    kw = dict(kv_cache_dtype="bfloat16", kv_eviction_policy=policy, kv_eviction_ratio=0.5)
-    llm, naive, _ = generate(tiny_llama, prompts, kv_reclamation="none", **kw)
-    assert llm.llm_engine.kv_caches.dtype == BF16
-    _, vtok, outs = generate(tiny_llama, prompts, kv_reclamation="vtoken", kv_frag_threshold=0.0,
-                             **kw)
-    _, fill, _ = generate(tiny_llama, prompts, kv_reclamation="vtoken-fill",
-                          kv_frag_threshold=0.0, **kw)
-    assert vtok == naive and fill == naive
-    assert all(o.kv_stats["evicted_tokens"] > 0 for o in outs.values())
-
-
 def test_prefix_caching_on_bf16_equals_off(tiny_llama):
     shared = random_prompts(1, seed=2, lo=64, hi=65)[0]
     ps = [shared + p for p in random_prompts(4, seed=9, lo=8, hi=30)]
@@ -224,26 +193,12 @@ def test_pool_holds_twice_the_blocks(tiny_llama):
 
 def test_logits_close_to_fp32(tiny_llama):
     """Every prompt position's next-token distribution with a bf16 cache against the float32
-    cache's: mean KL(fp32 || bf16) per position < 2e-3 nats, top-1 agreement >= 90% (the tiny
-    random model's near-flat distributions flip near-ties; test_kv_cache_dtype.py has fp8's)."""
-    from vllm.attention.backend import AttentionMetadata, PrefillSpan
+    cache's: mean KL(fp32 || bf16) per position < 5e-4 nats (measured 3.6e-5 to 5.4e-5), top-1
+    agreement >= 95% (measured 98-100%: the tiny random model's near-flat distributions flip
+    near-ties; test_kv_cache_dtype.py has fp8's)."""
     model = LLM(tiny_llama, num_gpu_blocks_override=16).llm_engine.worker.model
-    cfg = model.config
-
-    def log_probs(ids, dtype):
-        t = len(ids)
-        kv = torch.zeros(cfg.num_hidden_layers, t, 2, model.num_kv_heads, cfg.head_dim,
-                         dtype=dtype)
-        meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decodes=0,
-                                 decode_views=torch.full((0, 1), -1),
-                                 decode_lens=torch.zeros(0, dtype=torch.int64),
-                                 prefills=[PrefillSpan(0, t, torch.arange(t), None)])
-        with torch.inference_mode():
-            hidden = model(torch.tensor(ids), torch.arange(t), kv, meta)
-            return torch.log_softmax(model.compute_logits(hidden).double(), -1)
-
     for p in random_prompts(4, seed=3, lo=20, hi=80):
-        ref, lp = log_probs(p, torch.float32), log_probs(p, BF16)
+        ref, lp = prompt_log_probs(model, p, torch.float32), prompt_log_probs(model, p, BF16)
         kl = (ref.exp() * (ref - lp)).sum(-1)
-        assert kl.mean() < 2e-3, kl.mean()
-        assert (ref.argmax(-1) == lp.argmax(-1)).double().mean() >= 0.9
+        assert kl.mean() < 5e-4, kl.mean()
+        assert (ref.argmax(-1) == lp.argmax(-1)).double().mean() >= 0.95

@@ -256,9 +256,9 @@ def test_fused_decode_layer_over_fp8(isa, dtype, monkeypatch):
     assert rel_err(fused, per_op) < 1e-4
 
 
-@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("dtype", FP8 + [torch.bfloat16])
 @pytest.mark.parametrize("backend", [None, "torch"])
-def test_relocation_moves_fp8_bytes_exactly(dtype, backend):
+def test_relocation_moves_cache_bytes_exactly(dtype, backend):
     g = torch.Generator().manual_seed(0)
     raw = torch.randint(0, 256, (3, 64, 2, 2, 16), dtype=torch.uint8, generator=g)
     kv = raw.clone().view(dtype)
@@ -304,11 +304,12 @@ def prompts():
     return random_prompts(5, seed=7, lo=60, hi=140)
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bfloat16"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_fp8_engine_naive_and_vtoken_token_identical(tiny_llama, prompts, policy):
-    kw = dict(kv_cache_dtype="fp8", kv_eviction_policy=policy, kv_eviction_ratio=0.5)
+def test_engine_naive_and_vtoken_token_identical(tiny_llama, prompts, policy, kv_dtype):
+    kw = dict(kv_cache_dtype=kv_dtype, kv_eviction_policy=policy, kv_eviction_ratio=0.5)
     llm, naive, _ = generate(tiny_llama, prompts, kv_reclamation="none", **kw)
-    assert llm.llm_engine.kv_caches.dtype == torch.float8_e4m3fn
+    assert llm.llm_engine.kv_caches.dtype == kv_quant.cache_dtype(kv_dtype, torch.float32)
     vllm_, vtok, outs = generate(tiny_llama, prompts, kv_reclamation="vtoken",
                                  kv_frag_threshold=0.0, **kw)
     _, fill, _ = generate(tiny_llama, prompts, kv_reclamation="vtoken-fill",
@@ -344,27 +345,31 @@ def test_fp8_greedy_tokens_close_to_fp32(tiny_llama, kv_dtype, calculate):
         assert (s != 1.0).all() and torch.isfinite(s).all()
 
 
+def prompt_log_probs(model, ids, dtype, calculate=False) -> torch.Tensor:
+    """float64 log-probabilities of every next token of prompt ids, the model prefilling into a
+    fresh KV cache of `dtype` (fp8: registered, scales calculated or 1.0)."""
+    from vllm.attention.backend import AttentionMetadata, PrefillSpan
+    cfg, t = model.config, len(ids)
+    kv = torch.zeros(cfg.num_hidden_layers, t, 2, model.num_kv_heads, cfg.head_dim, dtype=dtype)
+    if kv_quant.is_fp8(kv):
+        kv_quant.register(kv, calculate)
+    meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decodes=0,
+                             decode_views=torch.full((0, 1), -1),
+                             decode_lens=torch.zeros(0, dtype=torch.int64),
+                             prefills=[PrefillSpan(0, t, torch.arange(t), None)])
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(t), kv, meta)
+        return torch.log_softmax(model.compute_logits(hidden).double(), -1)
+
+
 def test_fp8_logits_close_to_fp32(tiny_llama):
     """Every prompt position's next-token distribution with an fp8 cache against the float32
     cache's: mean KL(fp32 || fp8) per position < 0.03 nats for e4m3 (measured 0.007-0.018),
     < 0.1 for e5m2 (measured 0.035-0.056); top-1 agreement >= 65% for e4m3 (measured 72-88%)."""
-    from vllm.attention.backend import AttentionMetadata, PrefillSpan
     model = LLM(tiny_llama, num_gpu_blocks_override=16).llm_engine.worker.model
-    cfg = model.config
 
     def log_probs(ids, dtype, calculate=False):
-        t = len(ids)
-        kv = torch.zeros(cfg.num_hidden_layers, t, 2, model.num_kv_heads, cfg.head_dim,
-                         dtype=dtype)
-        if kv_quant.is_fp8(kv):
-            kv_quant.register(kv, calculate)
-        meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decodes=0,
-                                 decode_views=torch.full((0, 1), -1),
-                                 decode_lens=torch.zeros(0, dtype=torch.int64),
-                                 prefills=[PrefillSpan(0, t, torch.arange(t), None)])
-        with torch.inference_mode():
-            hidden = model(torch.tensor(ids), torch.arange(t), kv, meta)
-            return torch.log_softmax(model.compute_logits(hidden).double(), -1)
+        return prompt_log_probs(model, ids, dtype, calculate)
 
     for p in random_prompts(4, seed=3, lo=20, hi=80):
         ref = log_probs(p, torch.float32)
