@@ -1,9 +1,10 @@
 """--kv-cache-dtype bfloat16 (CPU): writes equal torch's float32 -> bf16 cast bit for bit (the
 C writer on every variant this CPU runs, and the torch path), attention over bf16 K/V on every C
-variant, the torch path and the fused decode layer matches a float64 reference of the bf16
-values, and the engine end to end: prefix caching on equals off, 2x the blocks of float32,
-logits close to the float32 cache's. On CUDA the flag names a bf16 model's own cache.
-Relocation's bytes and every policy x reclamation mode: tests/test_kv_cache_dtype.py."""
+variant and the torch path matches a float64 reference of the bf16 values, and the engine end
+to end: prefix caching on equals off, logits close to the float32 cache's. On CUDA the flag names a bf16 model's own cache.
+Relocation's bytes, the fused decode layer, the pool's size (2x the blocks of float32) and
+every policy x reclamation mode:
+tests/test_kv_cache_dtype.py."""
 import pytest
 import torch
 
@@ -139,30 +140,6 @@ def test_torch_decode_and_prefill_over_bf16_match_reference():
     assert rel_err(got, ref) < 1e-5
 
 
-@cpu_built
-def test_fused_decode_layer_over_bf16(isa, monkeypatch):
-    """The fused C decode layer on a bf16 cache: the new token's K/V written as rope_write_kv
-    writes them, the output the per-op C path's over the same cache."""
-    from tests.test_kernels import _forced_plan, _layer_scene
-    from vllm.model_executor.models.llama import DecoderLayer, Rotary
-    cfg, w, x, positions, kv32, meta = _layer_scene(m=4, context=40)
-    kvh, d = cfg.num_key_value_heads, cfg.head_dim
-    plan = _forced_plan(monkeypatch, "c", {(64, 128): 1, (64, 64): 1, (64, 192): 1, (96, 64): 1},
-                        (4, kvh, d))
-    layer = DecoderLayer(cfg, w, "l", plan)
-    if layer.fused is None:
-        pytest.skip("no fused layer for these shapes")
-    rotary = Rotary(d, 128, 10000.0, {"rope_type": "default"}, torch.float32)
-    cos, sin = rotary.cos[positions], rotary.sin[positions]
-    caches = [kv32.to(BF16), kv32.to(BF16)]
-    fused = cpu_kernels.decode_layer(layer.fused, x.clone(), cos, sin, meta.slot_mapping,
-                                     caches[0], meta.decode_views, meta.decode_lens, None,
-                                     cpu_kernels.decode_scratch(layer.fused, 4, meta.decode_views))
-    per_op = layer(x.clone(), cos, sin, rotary, caches[1], meta)
-    assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
-    assert rel_err(fused, per_op) < 1e-4
-
-
 def test_cuda_needs_a_bf16_model():
     kv_quant.check_device("bfloat16", torch.device("cpu"), torch.float32)     # CPU: any dtype
     with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16.*--dtype bfloat16"):
@@ -177,18 +154,6 @@ def test_prefix_caching_on_bf16_equals_off(tiny_llama):
     _, off, _ = generate(tiny_llama, ps, **kw)
     llm, on, _ = generate(tiny_llama, ps, enable_prefix_caching=True, **kw)
     assert on == off
-
-
-def test_pool_holds_twice_the_blocks(tiny_llama):
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.engine.llm_engine import LLMEngine
-    n = {}
-    for dtype in ("auto", "bfloat16"):
-        eng = LLMEngine(EngineArgs(model=tiny_llama, kv_cache_dtype=dtype,
-                                   kv_cache_memory=3 << 20))
-        n[dtype] = eng.kv.num_blocks
-        assert eng.kv_caches.element_size() == (4 if dtype == "auto" else 2)
-    assert abs(n["bfloat16"] - 2 * n["auto"]) < 4
 
 
 def test_logits_close_to_fp32(tiny_llama):

@@ -226,10 +226,10 @@ def test_torch_decode_and_prefill_over_fp8_match_reference(dtype):
 
 
 @cpu_built
-@pytest.mark.parametrize("dtype", FP8)
-def test_fused_decode_layer_over_fp8(isa, dtype, monkeypatch):
-    """The fused C decode layer on an fp8 cache: the new token's K/V are written quantized
-    exactly as rope_write_kv would, and the output is the per-op C path's over the same cache."""
+@pytest.mark.parametrize("dtype", FP8 + [torch.bfloat16])
+def test_fused_decode_layer_over_narrow_caches(isa, dtype, monkeypatch):
+    """The fused C decode layer on an fp8 or bf16 cache: the new token's K/V are written exactly
+    as rope_write_kv would, and the output is the per-op C path's over the same cache."""
     from tests.test_kernels import _forced_plan, _layer_scene
     from vllm.model_executor.models.llama import DecoderLayer, Rotary
     cfg, w, x, positions, kv32, meta = _layer_scene(m=4, context=40)
@@ -244,9 +244,12 @@ def test_fused_decode_layer_over_fp8(isa, dtype, monkeypatch):
     caches = []
     for _ in range(2):
         c = torch.zeros(1, *kv32.shape, dtype=dtype)
-        kv_quant.register(c)
-        kv_quant.set_scales(c, [0.6], [1.7])
-        kv_quant.bytes_(c)[0] = kv_quant.quantize(kv32, 1.0, dtype).view(torch.uint8)
+        if kv_quant.is_fp8(c):
+            kv_quant.register(c)
+            kv_quant.set_scales(c, [0.6], [1.7])
+            kv_quant.bytes_(c)[0] = kv_quant.quantize(kv32, 1.0, dtype).view(torch.uint8)
+        else:
+            c[0] = kv32
         caches.append(c)
     fused = cpu_kernels.decode_layer(layer.fused, x.clone(), cos, sin, meta.slot_mapping,
                                      caches[0][0], meta.decode_views, meta.decode_lens, None,
@@ -318,16 +321,18 @@ def test_engine_naive_and_vtoken_token_identical(tiny_llama, prompts, policy, kv
     assert all(o.kv_stats["evicted_tokens"] > 0 for o in outs.values())
 
 
-def test_fp8_pool_holds_four_times_the_blocks(tiny_llama):
+@pytest.mark.parametrize("kv_dtype,elem", [("fp8_e5m2", 1), ("bfloat16", 2)])
+def test_pool_holds_more_blocks_in_the_same_bytes(tiny_llama, kv_dtype, elem):
+    """--kv-cache-memory is bytes: 4 / elem times float32's blocks (fp8 4x, bf16 2x)."""
     from vllm.engine.llm_engine import LLMEngine
     from vllm.engine.arg_utils import EngineArgs
     n = {}
-    for dtype in ("auto", "fp8_e5m2"):
+    for dtype, size in (("auto", 4), (kv_dtype, elem)):
         eng = LLMEngine(EngineArgs(model=tiny_llama, kv_cache_dtype=dtype,
                                    kv_cache_memory=3 << 20))
         n[dtype] = eng.kv.num_blocks
-        assert eng.kv_caches.element_size() == (4 if dtype == "auto" else 1)
-    assert n["fp8_e5m2"] == 4 * n["auto"] or abs(n["fp8_e5m2"] - 4 * n["auto"]) < 4
+        assert eng.kv_caches.element_size() == size
+    assert abs(n[kv_dtype] - 4 // elem * n["auto"]) < 4
 
 
 @pytest.mark.parametrize("kv_dtype,calculate", [("fp8", False), ("fp8", True)])
