@@ -347,8 +347,8 @@ def main():
                    choices=["ppl", "passkey", "chat"])
     p.add_argument("--chats", type=int, default=None, help="short ShareGPT chats for (d)")
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
-                   help="(a), (b) per KV cache dtype, e.g. auto fp8_e4m3 fp8_e5m2 (auto, the "
-                        "reference, always runs; other dtypes: files *_kv_dtypes)")
+                   help="(a), (b) per KV cache dtype, e.g. auto bfloat16 fp8_e4m3 fp8_e5m2 "
+                        "(auto, the reference, always runs; other dtypes: files *_kv_dtypes)")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8: per-layer K/V scales from the first prefill (else 1.0)")
     p.add_argument("--plot-only", action="store_true", help="redraw the plots from the JSON")
