@@ -45,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from typing import Dict, List
 
 import numpy as np
@@ -115,19 +116,22 @@ def engine_decode(eng, ev: KVEvictionParams, batch: int, args, tag: str) -> Dict
                             ignore_eos=True)
     for rid, p in zip(ids, prompts(batch, args.prompt_len, args.vocab, seed=batch)):
         eng.add_request(rid, {"prompt_token_ids": p}, params, kv_eviction=ev)
-    outputs = lambda: [eng.requests[r].seqs[0].num_output_tokens for r in ids]  # noqa: E731
-    while min(outputs()) < args.warmup:
-        eng.step()
-    before, stats0 = outputs(), eng.get_kv_stats()
-    sync(args.device)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        eng.step()
-    sync(args.device)
-    dt = time.perf_counter() - t0
-    assert [b + args.steps for b in before] == outputs(), "a request stalled or finished"
-    stats = eng.get_kv_stats()
-    eng.abort_request(ids)
+    outputs = lambda: [eng.requests[r].seqs[0].num_output_tokens  # noqa: E731
+                       if r in eng.requests else None for r in ids]
+    try:
+        while min(outputs()) < args.warmup:
+            eng.step()
+        before, stats0 = outputs(), eng.get_kv_stats()
+        sync(args.device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        sync(args.device)
+        dt = time.perf_counter() - t0
+        assert [b + args.steps for b in before] == outputs(), "a request stalled or finished"
+        stats = eng.get_kv_stats()
+    finally:                          # a failed measurement leaves the engine empty too
+        eng.abort_request(ids)
     return {"tok_s": batch * args.steps / dt, "step_ms": 1e3 * dt / args.steps,
             "relocation_events": stats.get("relocation_events", 0)
             - stats0.get("relocation_events", 0)}
@@ -168,6 +172,20 @@ def hf_decode(model, batch: int, args) -> Dict:
 
 
 HEADLINE_BATCH = 16      # the decode target: vToken / transformers at batch 16
+FAILED: List[str] = []   # measurements that raised (main exits 1 after saving the rest)
+
+
+def attempt(cell: Dict, key: str, measure) -> bool:
+    """cell[key] = measure(), or {"error": ...} with the traceback printed, so that one failed
+    measurement (batch 64 once finished a request early) costs only itself on a lent GPU."""
+    try:
+        cell[key] = measure()
+        return True
+    except Exception as e:  # noqa: BLE001 (recorded, and the run exits 1)
+        traceback.print_exc()
+        cell[key] = {"error": f"{type(e).__name__}: {e}"}
+        FAILED.append(key)
+        return False
 
 
 def part_decode(args, out: Dict) -> None:
@@ -181,35 +199,44 @@ def part_decode(args, out: Dict) -> None:
     model = None if args.no_hf else hf_model(args)     # resident beside the engine: no rebuild
     for b in order:                  # the headline (batch 16 vToken / transformers) after 3 runs
         for name in ("Native", "vToken"):
-            res[b][name] = engine_decode(eng, VARIANTS[name][1], b, args, f"{name}-{b}")
+            attempt(res[b], name, lambda: engine_decode(eng, VARIANTS[name][1], b, args,
+                                                        f"{name}-{b}"))
             save()
         if model is not None:
-            res[b]["transformers"] = hf_decode(model, b, args)
+            attempt(res[b], "transformers", lambda: hf_decode(model, b, args))
             save()
-    del model
+    model = None
     release()
     for b in order:
         # indirection: alternate with Native, medians of the step times
-        nat, ind = [res[b]["Native"]["step_ms"]], []
-        for r in range(args.rounds):
-            ind.append(engine_decode(eng, VARIANTS["indirection"][1], b, args,
-                                     f"ind-{b}-{r}")["step_ms"])
-            if r + 1 < args.rounds:
-                nat.append(engine_decode(eng, VARIANTS["Native"][1], b, args,
-                                         f"nat-{b}-{r}")["step_ms"])
-        res[b]["indirection_overhead"] = statistics.median(ind) / statistics.median(nat) - 1
-        save()
-    del eng
+        if "step_ms" in res[b]["Native"]:
+            attempt(res[b], "indirection_overhead", lambda: indirection(eng, b, args,
+                                                                        res[b]["Native"]))
+            save()
+    eng = None
     release()
     eng = build_engine(args, "none").llm_engine
     for b in order:
-        res[b]["Naive-Evict"] = engine_decode(eng, VARIANTS["Naive-Evict"][1], b, args,
-                                              f"naive-{b}")
+        attempt(res[b], "Naive-Evict", lambda: engine_decode(eng, VARIANTS["Naive-Evict"][1], b,
+                                                             args, f"naive-{b}"))
         save()
-    del eng
+    eng = None
     release()
     out["decode"] = {str(b): ratios(r) for b, r in res.items()}
     print_decode(out["decode"])
+
+
+def indirection(eng, b: int, args, native: Dict) -> float:
+    """StreamingLLM at ratio 0 (the token table's indirection, nothing evicted) against Native,
+    alternating, medians of the step times: the relative overhead."""
+    nat, ind = [native["step_ms"]], []
+    for r in range(args.rounds):
+        ind.append(engine_decode(eng, VARIANTS["indirection"][1], b, args,
+                                 f"ind-{b}-{r}")["step_ms"])
+        if r + 1 < args.rounds:
+            nat.append(engine_decode(eng, VARIANTS["Native"][1], b, args,
+                                     f"nat-{b}-{r}")["step_ms"])
+    return statistics.median(ind) / statistics.median(nat) - 1
 
 
 def ratios(r: Dict) -> Dict:
@@ -225,10 +252,11 @@ def print_decode(dec: Dict) -> None:
     print(f"{'batch':>5} " + " ".join(f"{n + ' tok/s':>18}" for n in names) +
           f" {'vToken/HF':>9} {'indirection':>11}")
     for b, r in dec.items():
-        cells = [f"{r[n]['tok_s']:>18.1f}" if n in r else f"{'-':>18}" for n in names]
-        vs_hf = r["ratios"].get("vToken / transformers")
+        cells = [f"{r[n]['tok_s']:>18.1f}" if "tok_s" in r.get(n, {}) else f"{'-':>18}"
+                 for n in names]
+        vs_hf, ind = r["ratios"].get("vToken / transformers"), r.get("indirection_overhead")
         print(f"{b:>5} " + " ".join(cells) + (f" {vs_hf:>8.2f}x" if vs_hf else f" {'-':>9}") +
-              f" {100 * r['indirection_overhead']:>+10.2f}%")
+              (f" {100 * ind:>+10.2f}%" if isinstance(ind, float) else f" {'-':>11}"))
 
 
 # ---- capacity and SLA -----------------------------------------------------------------------
@@ -506,6 +534,8 @@ def main(argv=None) -> Dict:
         out.setdefault("seconds", {})[part] = time.perf_counter() - t0
         save()
     print(f"wrote {args.out}")
+    if FAILED:
+        raise SystemExit(f"failed measurements (errors in {args.out}): {', '.join(FAILED)}")
     return out
 
 

@@ -101,7 +101,9 @@ targets = {
     "relocation_share_of_d2d_min_ge256": min(
         (rel.get("headline") or {}).get("cuda" if dev == "cuda" else "torch", {}).values(),
         default=None),
-    "indirection_overhead_batch16": b16.get("indirection_overhead"),
+    "indirection_overhead_batch16": (b16.get("indirection_overhead")
+                                     if isinstance(b16.get("indirection_overhead"), float)
+                                     else None),           # a dict: its error
 }
 MUST = {"capacity_vtoken_vs_native": (">= +60%", lambda v: v >= 0.6),
         "decode_vs_transformers_batch16": (">= 3x", lambda v: v >= 3),
