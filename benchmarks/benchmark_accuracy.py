@@ -16,9 +16,10 @@ for the KV it saves.
 Every variant runs as one request of one batched engine (vToken reclamation, --kv-min-tokens 0),
 with its settings per request (KVEvictionParams); Native is `policy="none"` in the same engine.
 
-KV cache dtype axis (--kv-cache-dtypes auto fp8_e4m3 fp8_e5m2): (a) and (b) run every variant,
-Native included, once per dtype, in an engine of that --kv-cache-dtype; the reference stays
-float32-KV Native (auto, run first whatever the list): KL is from its distributions, kv_x counts
+KV cache dtype axis (--kv-cache-dtypes float32 bfloat16 fp8_e4m3 fp8_e5m2): (a) and (b) run every
+variant, Native included, once per dtype, in an engine of that --kv-cache-dtype (auto: the
+engine's default, bf16 for the default model); the reference stays float32-KV Native (run first
+whatever the list): KL is from its distributions, kv_x counts
 KV blocks and bytes_x KV bytes relative to it (fp8 Native: kv_x 1.0, bytes_x 0.25), so fp8 + TOVA
 at 512 tokens and float32 + TOVA at 1,024 land on one axis and the summary names the cheapest
 combination that keeps quality.
@@ -26,7 +27,7 @@ combination that keeps quality.
     python benchmarks/benchmark_accuracy.py --quick      # < 10 min on 2 cores
     python benchmarks/benchmark_accuracy.py              # the README figures
     python benchmarks/benchmark_accuracy.py --tasks ppl passkey --policies tova \
-        --budgets 512 1024 --kv-cache-dtypes auto fp8_e4m3 fp8_e5m2
+        --budgets 512 1024 --kv-cache-dtypes float32 fp8_e4m3 fp8_e5m2
 """
 import os
 import random
@@ -45,6 +46,7 @@ from vllm.engine.llm_engine import LLMEngine
 POLICIES = ("h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv",
             "knorm", "keydiff")
 BUDGETS = ("r0.25", "r0.5", "r0.75", "256", "512", "1024")    # rN: ratio evicted; N: fixed tokens
+REFERENCE = "float32"           # the KV dtype of the reference (Native) run
 
 
 def eviction(policy: str, budget: str, chunk: int) -> KVEvictionParams:
@@ -62,7 +64,7 @@ def variants(policies: Sequence[str], budgets: Sequence[str]) -> List[Tuple[str,
 
 
 def make_engine(model: Optional[str], args, num_seqs: int, max_len: int, cls=LLMEngine,
-                kv_dtype: str = "auto"):
+                kv_dtype: str = REFERENCE):
     return cls(EngineArgs(model=model, max_model_len=max_len, max_num_seqs=num_seqs,
                           max_num_batched_tokens=args.step_tokens, kv_reclamation="vtoken",
                           kv_min_tokens=0, seed=args.seed,
@@ -71,9 +73,25 @@ def make_engine(model: Optional[str], args, num_seqs: int, max_len: int, cls=LLM
 
 
 def kv_dtype_order(kv_dtypes: Sequence[str]) -> List[str]:
-    """auto (the reference) first, then the others in the order given: [fp8_e5m2, auto] ->
-    [auto, fp8_e5m2]; an unknown name is the engine's ValueError."""
-    return ["auto"] + [d for d in dict.fromkeys(kv_dtypes) if d != "auto"]
+    """float32 (the reference) first, then the others in the order given: [fp8_e5m2, float32] ->
+    [float32, fp8_e5m2]; an unknown name is the engine's ValueError."""
+    return [REFERENCE] + [d for d in dict.fromkeys(kv_dtypes) if d != REFERENCE]
+
+
+def kv_dtype_of(r: Dict) -> str:
+    """A row's KV dtype (a JSON from before the dtype axis: float32)."""
+    return r.get("kv_dtype", REFERENCE)
+
+
+def upgrade(data: Dict) -> Dict:
+    """A JSON from when the reference was named auto (float32 KV then): its rows renamed."""
+    if data.get("kv_cache_dtypes", [REFERENCE])[0] == "auto":
+        for key in ("perplexity", "perplexity_per_text", "passkey"):
+            for r in data.get(key, []):
+                if r.get("kv_dtype") == "auto":
+                    r["kv_dtype"] = REFERENCE
+        data["kv_cache_dtypes"] = [REFERENCE] + data["kv_cache_dtypes"][1:]
+    return data
 
 
 # ---- (a) teacher-forced perplexity and KL ---------------------------------------------------------
@@ -114,7 +132,7 @@ class TeacherForcedEngine(LLMEngine):
 
 
 def run_perplexity(model, args, text_ids: List[int], todo: List[Tuple[str, str]],
-                   kv_dtypes: Sequence[str] = ("auto",)) -> List[Dict]:
+                   kv_dtypes: Sequence[str] = (REFERENCE,)) -> List[Dict]:
     """Every variant of `todo` per KV dtype, scored against float32-KV Native."""
     n = len(text_ids)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)  # logits everywhere
@@ -123,13 +141,13 @@ def run_perplexity(model, args, text_ids: List[int], todo: List[Tuple[str, str]]
         eng = make_engine(model, args, len(todo), n + 8, TeacherForcedEngine, dtype)
         eng.scores, outs = {}, {}
         reqs = [(f"{p}|{b}", text_ids, params, eviction(p, b, args.chunk)) for p, b in todo]
-        if dtype == "auto":      # pass 1: Native, recording its log-probs (the reference)
+        if dtype == REFERENCE:   # pass 1: Native, recording its log-probs (the reference)
             eng.record = torch.empty(n - 1, eng.hf_config.vocab_size)
             outs = drain(eng, reqs[:1])
             reference, eng.record = eng.record, None
             native_blocks = outs["none|-"].kv_stats["mean_blocks_per_token"]
             native_bytes = eng.kv_caches.element_size()
-            reqs = reqs[1:] if "auto" in kv_dtypes else []
+            reqs = reqs[1:] if REFERENCE in kv_dtypes else []
         eng.reference = reference
         outs.update(drain(eng, reqs))
         for rid in (f"{p}|{b}" for p, b in todo if f"{p}|{b}" in eng.scores):
@@ -184,7 +202,7 @@ def passkey_prompt(tok, length: int, depth: float, key: int) -> List[int]:
 
 
 def run_passkey(model, args, tok, length: int, todo: List[Tuple[str, str]],
-                kv_dtypes: Sequence[str] = ("auto",)) -> List[Dict]:
+                kv_dtypes: Sequence[str] = (REFERENCE,)) -> List[Dict]:
     rng = random.Random(args.seed + length)
     depths = np.linspace(0.1, 0.9, 5)
     trials = [(float(depths[i % len(depths)]), rng.randrange(10000, 100000))
@@ -193,12 +211,12 @@ def run_passkey(model, args, tok, length: int, todo: List[Tuple[str, str]],
     params = SamplingParams(max_tokens=8, temperature=0)
     rows = []
     for dtype in kv_dtype_order(kv_dtypes):
-        cells = todo if dtype in kv_dtypes else todo[:1]    # auto's Native: the reference
+        cells = todo if dtype in kv_dtypes else todo[:1]    # float32 Native: the reference
         eng = make_engine(model, args, min(len(cells) * len(trials), 64), length + 16,
                           kv_dtype=dtype)
         outs = drain(eng, [(f"{p}|{b}|{i}", ids, params, eviction(p, b, args.chunk))
                            for p, b in cells for i, ids in enumerate(prompts)])
-        if dtype == "auto":
+        if dtype == REFERENCE:
             native_blocks = np.mean([outs[f"none|-|{i}"].kv_stats["mean_blocks_per_token"]
                                      for i in range(len(trials))])
             native_bytes = eng.kv_caches.element_size()
@@ -254,21 +272,22 @@ def pareto(points: List[Tuple[float, float]], lower_is_better: bool) -> List[Tup
     return out
 
 
-DTYPE_STYLE = {"auto": ("o", "-"), "fp8_e4m3": ("^", "--"), "fp8_e5m2": ("s", ":")}
+DTYPE_STYLE = {REFERENCE: ("o", "-"), "bfloat16": ("D", (0, (5, 1))),
+               "auto": ("D", (0, (5, 1))), "fp8_e4m3": ("^", "--"), "fp8_e5m2": ("s", ":")}
 
 
 def frontier_plot(rows: List[Dict], metric: str, label: str, title: str, lower_is_better: bool):
     """Every variant as a dot, each policy's Pareto frontier per KV dtype as a line (solid:
-    float32 KV, dashed: fp8_e4m3, dotted: fp8_e5m2), float32-KV Native as a star, Native at
+    float32 KV, long dashes: bf16, dashed: fp8_e4m3, dotted: fp8_e5m2), float32-KV Native as a star, Native at
     another KV dtype as a black marker of that dtype."""
     plt = common.plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     native = next(r for r in rows if is_reference(r))
     policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "none"))
-    for dtype in dict.fromkeys(r.get("kv_dtype", "auto") for r in rows):
+    for dtype in dict.fromkeys(kv_dtype_of(r) for r in rows):
         marker, ls = DTYPE_STYLE.get(dtype, ("x", "-."))
-        mine = [r for r in rows if r.get("kv_dtype", "auto") == dtype]
-        tag = "" if dtype == "auto" else f" {dtype}"
+        mine = [r for r in rows if kv_dtype_of(r) == dtype]
+        tag = "" if dtype == REFERENCE else f" {dtype}"
         for i, p in enumerate(policies):
             pts = [(kv_bytes(r), r[metric]) for r in mine if r["policy"] == p]
             if not pts:
@@ -278,7 +297,7 @@ def frontier_plot(rows: List[Dict], metric: str, label: str, title: str, lower_i
             ax.plot(*zip(*pareto(pts, lower_is_better)), marker=marker, ms=3, lw=1.2, ls=ls,
                     color=color, label=p + tag)
         for r in mine:
-            if r["policy"] == "none" and dtype != "auto":
+            if r["policy"] == "none" and dtype != REFERENCE:
                 ax.plot([kv_bytes(r)], [r[metric]], marker=marker, ms=9, color="black", ls="",
                         label="Native" + tag)
     ax.plot([1.0], [native[metric]], marker="*", ms=14, color="black", ls="", label="Native")
@@ -299,7 +318,7 @@ def kv_bytes(r: Dict) -> float:
 
 
 def is_reference(r: Dict) -> bool:
-    return r["policy"] == "none" and r.get("kv_dtype", "auto") == "auto"
+    return r["policy"] == "none" and kv_dtype_of(r) == REFERENCE
 
 
 def best_under(rows: List[Dict], ok, loss) -> Dict[str, Optional[Dict]]:
@@ -313,11 +332,11 @@ def best_under(rows: List[Dict], ok, loss) -> Dict[str, Optional[Dict]]:
 
 
 def cheapest(r: Optional[Dict]) -> str:
-    """0.13 (512, fp8_e4m3): KV bytes x, budget, and the KV dtype where not auto."""
+    """0.13 (512, fp8_e4m3): KV bytes x, budget, and the KV dtype where not float32."""
     if r is None:
         return "none"
-    dtype = r.get("kv_dtype", "auto")
-    return f"{kv_bytes(r):.2f} ({r['budget']}{'' if dtype == 'auto' else ', ' + dtype})"
+    dtype = kv_dtype_of(r)
+    return f"{kv_bytes(r):.2f} ({r['budget']}{'' if dtype == REFERENCE else ', ' + dtype})"
 
 
 def summary(ppl_rows: List[Dict], key_rows: List[Dict]) -> List[Dict]:
@@ -346,9 +365,9 @@ def main():
     p.add_argument("--tasks", nargs="+", default=["ppl", "passkey", "chat"],
                    choices=["ppl", "passkey", "chat"])
     p.add_argument("--chats", type=int, default=None, help="short ShareGPT chats for (d)")
-    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
-                   help="(a), (b) per KV cache dtype, e.g. auto bfloat16 fp8_e4m3 fp8_e5m2 "
-                        "(auto, the reference, always runs; other dtypes: files *_kv_dtypes)")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=[REFERENCE],
+                   help="(a), (b) per KV cache dtype, e.g. float32 bfloat16 fp8_e4m3 fp8_e5m2 "
+                        "(float32, the reference, always runs; other dtypes: files *_kv_dtypes)")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8: per-layer K/V scales from the first prefill (else 1.0)")
     p.add_argument("--plot-only", action="store_true", help="redraw the plots from the JSON")
@@ -361,7 +380,7 @@ def main():
     if args.plot_only:
         import json
         with open(os.path.join(common.RESULTS, f"accuracy{suffix}.json")) as f:
-            return plot(json.load(f), suffix)
+            return plot(upgrade(json.load(f)), suffix)
     common.setup(args)
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)

@@ -19,10 +19,11 @@ token tables, policy and planner, with synthetic attention statistics (--load-fo
 --scale s multiplies prompt, output and budgets by s, so blocks per request and the pool shrink
 together and the frontier stays comparable with the paper's.
 
-fp8 sizing. The real engine gets --kv-cache-memory = the baseline pool's bytes (float32 blocks)
-with --kv-cache-dtype fp8 and sizes the pool itself (4x the blocks). The simulated executor
-cannot store its synthetic statistics in fp8 (a RuntimeError on the first write), so there the
-variant is vToken with the block count the same bytes hold at fp8 instead of bf16 (2x), computed
+fp8 sizing. The real engine gets --kv-cache-memory = the baseline pool's bytes (blocks of the
+KV dtype --kv-cache-dtype auto gives the model: bf16 for the default GGUF model, float32 for a
+float32 checkpoint) with --kv-cache-dtype fp8 and sizes the pool itself (2x or 4x the blocks).
+The simulated executor cannot store its synthetic statistics in fp8 (a RuntimeError on the
+first write), so there the variant is vToken with the block count the same bytes hold at fp8 instead of bf16 (2x), computed
 from the bytes per block of each dtype; its eviction decisions are the bf16 run's.
 """
 import time
@@ -215,13 +216,19 @@ def real_setup(args) -> Dict:
     import transformers
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)
-    from vllm.model_executor.gguf_loader import resolve_model
+    from vllm.attention import kv_quant
+    from vllm.model_executor.gguf_loader import resolve_model, resolve_quantization
     hf = transformers.AutoConfig.from_pretrained(resolve_model(model))
+    low_bit = resolve_quantization(model, "auto")[0] == "gguf" or \
+        str(getattr(hf, "torch_dtype", None)).endswith("bfloat16")
+    kv = kv_quant.resolve("auto", "cpu", "float32", low_bit)       # the baseline's KV dtype
+    elem = kv_quant.FLOAT_DTYPES[kv].itemsize
     return {"model": model, "scale": 1.0, "prompt_len": args.prompt_len or 192,
             "output_len": args.output_len or 256, "budgets": args.budgets or (
                 [120] if args.quick else [120, 240]),
-            "label": f"{label}, fp32 KV baseline", "extra": {}, "tokenizer": tok,
-            "fp32_block_bytes": block_bytes(hf, 4), "token_bytes": None, "fp8_factor": (4, 1)}
+            "label": f"{label}, {kv} KV baseline", "extra": {}, "tokenizer": tok,
+            "base_block_bytes": block_bytes(hf, elem), "token_bytes": None,
+            "fp8_factor": (elem, 1)}
 
 
 def workload(setup: Dict, n: int, args) -> List[Tuple[List[int], int]]:
@@ -236,8 +243,8 @@ def workload(setup: Dict, n: int, args) -> List[Tuple[List[int], int]]:
 def fp8_sizing(setup: Dict, budget: int) -> Tuple[Dict, int]:
     """Engine keywords and pool blocks of the fp8 variant in the baseline pool's bytes."""
     blocks = blocks_in_bytes(budget, *setup["fp8_factor"])
-    if "fp32_block_bytes" in setup:        # the engine sizes an fp8 pool from bytes itself
-        return dict(kv_cache_memory=budget * setup["fp32_block_bytes"],
+    if "base_block_bytes" in setup:        # the engine sizes an fp8 pool from bytes itself
+        return dict(kv_cache_memory=budget * setup["base_block_bytes"],
                     kv_cache_dtype="fp8"), blocks
     return dict(num_gpu_blocks_override=blocks), blocks
 

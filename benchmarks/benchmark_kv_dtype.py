@@ -78,7 +78,7 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[32])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "fp8_e4m3", "fp8_e5m2"])
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg = LlamaConfig(**DEFAULT_SHAPE)

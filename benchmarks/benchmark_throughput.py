@@ -18,15 +18,16 @@ total time including prefill, B * output_len / T; its decode-only S_TG is shown 
 --weights FORMAT (q4_1, q4_0, q8_0, bf16; default f32) runs the engine with --quantization gguf
 on a GGUF of that format and llama.cpp on the same file: the shipped Q4_1 file, or Q4_0 / Q8_0 /
 BF16 files requantized from it (common.requantized); the torch-path and transformers columns are
-float32 only and are left out. --kv-cache-dtype bfloat16 gives the engine a 16-bit KV cache, as
-llama.cpp's own default (f16); the default auto keeps float32 KV on CPU.
+float32 only and are left out. The engine's KV cache is what --kv-cache-dtype auto gives it:
+bf16 for a GGUF format (16 bits, as llama.cpp's own default f16), float32 for f32;
+--kv-cache-dtype float32 / bfloat16 / fp8 sets it for every run.
 
     python benchmarks/benchmark_throughput.py            # batch 1, 16, 32
     python benchmarks/benchmark_throughput.py --quick    # batch 1, 16
     python benchmarks/benchmark_throughput.py --threads 2 --batch-sizes 1 8 16 32 --llamacpp DIR
     python benchmarks/benchmark_throughput.py --threads 2 --llamacpp DIR --weights q4_1
     python benchmarks/benchmark_throughput.py --threads 2 --llamacpp DIR --weights q4_0 \
-        --kv-cache-dtype bfloat16
+        --kv-cache-dtype float32
 """
 import statistics
 import subprocess
@@ -131,7 +132,8 @@ def main():
     p.add_argument("--weights", default="f32", choices=common.WEIGHT_FORMATS,
                    help="the default model's weight format, the same GGUF file for the engine "
                         "(--quantization gguf) and llama.cpp")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "fp8"],
                    help="the engine's KV cache (llama.cpp keeps its default f16)")
     common.add_llamacpp_args(p, "llama-batched-bench, one batch size at a time, taking turns "
                                 "with the engine")

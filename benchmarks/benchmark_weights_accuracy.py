@@ -19,8 +19,9 @@ top-20 next-token distributions (renormalised over the ids both list).
     python benchmarks/benchmark_weights_accuracy.py --chunks 4            # the engine alone
     python benchmarks/benchmark_weights_accuracy.py --llamacpp DIR --kv-cache-dtype bfloat16
 
---kv-cache-dtype bfloat16 runs every row, f32 included, with a 16-bit KV cache (llama.cpp's is
-f16 throughout); the default auto keeps float32 KV.
+The KV cache is what --kv-cache-dtype auto gives each row (bf16 for the GGUF formats, float32 for
+f32); --kv-cache-dtype bfloat16 (llama.cpp's is f16 throughout) or float32 sets it for every
+row, f32 included, so only the weights differ.
 """
 import argparse
 import math
@@ -110,7 +111,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     common.add_llamacpp_args(p, "llama-perplexity on the same file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -51,12 +51,14 @@ def test_kv_dtype_axis(tiny_llama):
     text = random_prompts(1, seed=91, lo=200, hi=201)[0]
     args = SimpleNamespace(step_tokens=256, seed=0, kv_gib=0.01, chunk=32)
     rows = bench.run_perplexity(tiny_llama, args, text, bench.variants(["tova"], ["64"]),
-                                ["fp8_e5m2", "auto", "fp8_e4m3"])
+                                ["fp8_e5m2", "float32", "fp8_e4m3", "bfloat16"])
     assert [(r["kv_dtype"], r["policy"]) for r in rows] == [
-        ("auto", "none"), ("auto", "tova"), ("fp8_e5m2", "none"), ("fp8_e5m2", "tova"),
-        ("fp8_e4m3", "none"), ("fp8_e4m3", "tova")]
+        ("float32", "none"), ("float32", "tova"), ("fp8_e5m2", "none"), ("fp8_e5m2", "tova"),
+        ("fp8_e4m3", "none"), ("fp8_e4m3", "tova"), ("bfloat16", "none"), ("bfloat16", "tova")]
     by = {(r["kv_dtype"], r["policy"]): r for r in rows}
-    ref = by["auto", "none"]
+    ref = by["float32", "none"]
+    bf16 = by["bfloat16", "none"]
+    assert bf16["bytes_x"] == 0.5 and 0 < bf16["kl"] < 1e-3
     assert ref["kl"] == 0.0 and ref["kv_x"] == ref["bytes_x"] == 1.0
     for dtype, bound in (("fp8_e4m3", 0.03), ("fp8_e5m2", 0.1)):
         native, tova = by[dtype, "none"], by[dtype, "tova"]
@@ -64,14 +66,15 @@ def test_kv_dtype_axis(tiny_llama):
         assert 0 < native["kl"] < bound and abs(np.log(native["ppl"] / ref["ppl"])) < 0.05
         assert tova["evicted"] > 0 and tova["kl"] > native["kl"]
         assert tova["bytes_x"] == pytest.approx(tova["kv_x"] / 4)
-        assert tova["kv_x"] == pytest.approx(by["auto", "tova"]["kv_x"], abs=0.05)
+        assert tova["kv_x"] == pytest.approx(by["float32", "tova"]["kv_x"], abs=0.05)
     # the summary names the cheapest combination that keeps quality, dtype included
     keys = [dict(r, length=512, accuracy=0.9 if r["kv_dtype"] == "fp8_e5m2" else 1.0)
-            for r in rows]
+            for r in rows if r["kv_dtype"] != "bfloat16"]
+    rows = [r for r in rows if r["kv_dtype"] != "bfloat16"]
     best = {r["policy"]: r for r in bench.summary(rows, keys)}
     assert best["Native"]["passkey=Native: KV bytes x"] == "0.25 (-, fp8_e4m3)"
     assert best["tova"]["passkey=Native: KV bytes x"].endswith("(64, fp8_e4m3)")
-    lowest = min((r for r in rows if r["kv_dtype"] != "auto" and r["policy"] == "none"),
+    lowest = min((r for r in rows if r["kv_dtype"] != "float32" and r["policy"] == "none"),
                  key=lambda r: r["ppl"])
     assert best["Native"]["ppl<=1.05x: KV bytes x"] == f"0.25 (-, {lowest['kv_dtype']})"
 
@@ -86,8 +89,18 @@ def test_passkey_kv_dtype_axis(tiny_llama):
     rows = bench.run_passkey(tiny_llama, args, tok, 96, bench.variants(["h2o"], ["32"]),
                              ["fp8_e4m3"])
     assert [(r["kv_dtype"], r["policy"]) for r in rows] == [
-        ("auto", "none"), ("fp8_e4m3", "none"), ("fp8_e4m3", "h2o")]
+        ("float32", "none"), ("fp8_e4m3", "none"), ("fp8_e4m3", "h2o")]
     assert [r["bytes_x"] for r in rows[:2]] == [1.0, 0.25] and rows[1]["kv_x"] == 1.0
     assert rows[2]["kv_x"] < 0.9 and rows[2]["trials"] == 2
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         bench.run_passkey(tiny_llama, args, tok, 96, bench.variants(["h2o"], ["32"]), ["int4"])
+
+
+def test_a_json_from_when_the_reference_was_auto_reads_as_float32():
+    old = {"kv_cache_dtypes": ["auto", "fp8_e4m3"],
+           "perplexity": [{"kv_dtype": "auto", "policy": "none"},
+                          {"kv_dtype": "fp8_e4m3", "policy": "none"}]}
+    new = bench.upgrade(old)
+    assert new["kv_cache_dtypes"] == ["float32", "fp8_e4m3"]
+    assert [bench.is_reference(r) for r in new["perplexity"]] == [True, False]
+    assert bench.kv_dtype_of({"policy": "none"}) == "float32"        # before the dtype axis

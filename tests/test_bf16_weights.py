@@ -1,8 +1,9 @@
 """bf16 weights on the CPU: --dtype bfloat16 (and --dtype auto on a bf16 checkpoint, where the
 kernels win) keeps every GEMM weight in bf16 (BF16Linear: the float32 C GEMM on bf16 panels,
-widened exactly), with float32 activations, accumulation and KV cache; a GGUF's BF16 tensors
-run the same way. The math is float32 on the bf16 values, so greedy tokens equal transformers'
-float32 run of the same bf16 checkpoint."""
+widened exactly), with float32 activations and accumulation; a GGUF's BF16 tensors run the same
+way. The KV cache is bf16 by default then (--kv-cache-dtype auto, as upstream); with a float32
+KV cache the math is float32 on the bf16 values, so greedy tokens equal transformers' float32
+run of the same bf16 checkpoint."""
 import pytest
 import torch
 
@@ -39,11 +40,12 @@ def _greedy(llm, prompts, n=12, **kwargs):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_bfloat16_keeps_gemms_in_bf16_and_matches_transformers(bf16_models, arch):
     """Every GEMM (and the tied or untied LM head) is a BF16Linear, the C decode layer runs its
-    bf16 panels; the KV cache stays float32; greedy tokens equal transformers' float32 run of the
+    bf16 panels; with a float32 KV cache, greedy tokens equal transformers' float32 run of the
     same bf16 weights, for prompts of ragged lengths batched together."""
     from vllm.model_executor.bf16_linear import BF16Linear
 
-    llm = LLM(model=bf16_models[arch], dtype="bfloat16", num_gpu_blocks_override=128)
+    llm = LLM(model=bf16_models[arch], dtype="bfloat16", num_gpu_blocks_override=128,
+              kv_cache_dtype="float32")
     model = _model(llm)
     assert llm.llm_engine.model_config.dtype == "float32"
     for layer in model.layers:
@@ -59,11 +61,13 @@ def test_bfloat16_keeps_gemms_in_bf16_and_matches_transformers(bf16_models, arch
 
 def test_bf16_logprobs_equal_float32_on_the_same_weights(bf16_models):
     """Prompt and sampled logprobs of --dtype bfloat16 within 1e-4 of --dtype float32 on the same
-    bf16 checkpoint (the same float32 values; only summation order may differ)."""
+    bf16 checkpoint, both on a float32 KV cache (the same float32 values; only summation order
+    may differ)."""
     prompts = random_prompts(3, seed=6)
     outs = {}
     for dtype in ("bfloat16", "float32"):
-        llm = LLM(model=bf16_models["llama"], dtype=dtype, num_gpu_blocks_override=128)
+        llm = LLM(model=bf16_models["llama"], dtype=dtype, num_gpu_blocks_override=128,
+                  kv_cache_dtype="float32")
         outs[dtype] = _greedy(llm, prompts, 8, logprobs=3, prompt_logprobs=3)
     for a, b in zip(outs["bfloat16"], outs["float32"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -116,6 +120,17 @@ def test_c_decode_layer_on_bf16_equals_the_per_op_path(bf16_models, monkeypatch)
             assert max(abs(a[t].logprob - b[t].logprob) for t in a) < 1e-4
 
 
+@pytest.mark.parametrize("dtype, kv_cache_dtype, expect", [
+    ("auto", "auto", torch.bfloat16), ("bfloat16", "auto", torch.bfloat16),
+    ("float32", "auto", torch.float32), ("bfloat16", "float32", torch.float32)])
+def test_kv_cache_follows_the_weights(bf16_models, dtype, kv_cache_dtype, expect):
+    """--kv-cache-dtype auto: bf16 under bf16 weights (upstream's cache for a bf16 model), float32
+    under float32 weights; a dtype asked for is kept."""
+    llm = LLM(model=bf16_models["llama"], dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+              num_gpu_blocks_override=32)
+    assert llm.llm_engine.model_executor.driver_worker.kv_dtype == expect
+
+
 def test_auto_on_a_float32_checkpoint_stays_float32(tiny_llama):
     from vllm.model_executor.models.llama import Linear
 
@@ -123,6 +138,7 @@ def test_auto_on_a_float32_checkpoint_stays_float32(tiny_llama):
     model = _model(llm)
     assert isinstance(model.layers[0].qkv, Linear) and model.quant_layers is None
     assert model.layers[0].qkv.packed is None or model.layers[0].qkv.packed.dtype == torch.float32
+    assert llm.llm_engine.model_executor.driver_worker.kv_dtype == torch.float32
 
 
 @pytest.mark.parametrize("crossover", [4, 0, 10 ** 6])
@@ -134,7 +150,7 @@ def test_auto_on_a_bf16_checkpoint_runs_bf16_where_timed_faster(bf16_models, mon
     from vllm.model_executor.models.llama import Linear, LlamaForCausalLM
 
     monkeypatch.setattr(LlamaForCausalLM, "quant_crossover", lambda self: crossover)
-    llm = LLM(model=bf16_models["llama"], num_gpu_blocks_override=128)
+    llm = LLM(model=bf16_models["llama"], num_gpu_blocks_override=128, kv_cache_dtype="float32")
     model = _model(llm)
     if crossover == 4:
         assert model.quant_below == 4 and isinstance(model.layers[0].qkv, Linear)
@@ -173,7 +189,8 @@ def test_bfloat16_with_tensor_parallelism_keeps_the_torch_path(bf16_models):
 
 def test_gguf_bf16_tensors_run_in_bf16(tmp_path, monkeypatch):
     """A GGUF whose GEMM weights are BF16 (llama-quantize's BF16): they stay bf16 under the
-    default --quantization auto, tokens and logprobs as the file dequantized to float32."""
+    default --quantization auto, tokens and logprobs as the file dequantized to float32 (both on
+    the bf16 KV cache auto gives the GGUF)."""
     pytest.importorskip("gguf")
     from gguf_kquants import write_llama_gguf
 
@@ -189,8 +206,8 @@ def test_gguf_bf16_tensors_run_in_bf16(tmp_path, monkeypatch):
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     path = write_llama_gguf(str(tmp_path / "bf16.gguf"), seed=1,
                             layer_types=[dict.fromkeys(names, BF16)] * 2, embd=BF16, output=BF16)
-    llms = {q: LLM(model=path, quantization=q, num_gpu_blocks_override=128)
-            for q in ("auto", "none")}
+    llms = {q: LLM(model=path, quantization=q, num_gpu_blocks_override=128,
+                   kv_cache_dtype="bfloat16") for q in ("auto", "none")}
     model = _model(llms["auto"])
     assert isinstance(model.layers[1].down, BF16Linear) and isinstance(model.lm_head, BF16Linear)
     g = torch.Generator().manual_seed(2)

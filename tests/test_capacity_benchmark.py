@@ -66,11 +66,21 @@ def test_fp8_blocks_come_from_bytes_per_block():
     assert cap.block_bytes(llama8b, 2) == 2 << 20            # bf16: 2 MiB per 16 tokens
     assert cap.block_bytes(llama8b, 1, 1) == 64 << 10        # fp8: 64 KiB per token
     assert cap.blocks_in_bytes(5427, 2, 1) == 10854          # bf16 pool -> fp8 blocks
-    real = {"fp32_block_bytes": 737280, "fp8_factor": (4, 1)}
+    real = {"base_block_bytes": 368640, "fp8_factor": (2, 1)}       # the default model, bf16
     kw, blocks = cap.fp8_sizing(real, 120)
-    assert kw == {"kv_cache_memory": 120 * 737280, "kv_cache_dtype": "fp8"} and blocks == 480
+    assert kw == {"kv_cache_memory": 120 * 368640, "kv_cache_dtype": "fp8"} and blocks == 240
     sim = {"fp8_factor": (2, 1)}
     assert cap.fp8_sizing(sim, 678) == ({"num_gpu_blocks_override": 1356}, 1356)
+
+
+def test_real_setup_sizes_fp8_against_the_kv_dtype_auto_gives():
+    """A float32 checkpoint's baseline pool is float32 (fp8: 4x the blocks in its bytes)."""
+    args = SimpleNamespace(model="tiny", prompt_len=None, output_len=None, budgets=None,
+                           quick=True)
+    setup = cap.real_setup(args)
+    assert "float32 KV baseline" in setup["label"] and setup["fp8_factor"] == (4, 1)
+    cfg = __import__("transformers").AutoConfig.from_pretrained(setup["model"])
+    assert setup["base_block_bytes"] == cap.block_bytes(cfg, 4)
 
 
 def test_packed_references():

@@ -304,6 +304,7 @@ def _kquant_llm(path, quantization, **kwargs):
 
     if quantization == "gguf" and not quant_kernels.available():
         pytest.skip("no C compiler")
+    kwargs.setdefault("kv_cache_dtype", "bfloat16")   # auto's for gguf; none would get float32
     return LLM(model=path, quantization=quantization, num_gpu_blocks_override=256, **kwargs)
 
 
@@ -389,6 +390,19 @@ def test_auto_resolves_to_gguf_for_a_gguf_model_and_none_for_a_directory(kquant_
     assert gguf_loader.resolve_quantization(kquant_gguf, "auto") == ("gguf", kquant_gguf)
     assert gguf_loader.resolve_quantization(str(tmp_path), "auto") == ("none", None)
     assert gguf_loader.resolve_quantization(kquant_gguf, "none") == ("none", None)
+
+
+@pytest.mark.parametrize("quantization, kv_cache_dtype, expect", [
+    ("gguf", "auto", "bfloat16"), ("none", "auto", "float32"), ("gguf", "float32", "float32")])
+def test_kv_cache_auto_is_bf16_on_blocks_and_float32_on_the_float32_path(
+        kquant_gguf, quantization, kv_cache_dtype, expect):
+    """A GGUF model's KV cache is bf16 by default (as upstream runs GGUF models in bf16); the
+    float32 path (--quantization none) keeps a float32 one; a dtype asked for is kept."""
+    import torch
+
+    llm = _kquant_llm(kquant_gguf, quantization, kv_cache_dtype=kv_cache_dtype)
+    assert llm.llm_engine.cache_config.kv_cache_dtype == expect
+    assert llm.llm_engine.model_executor.driver_worker.kv_dtype == getattr(torch, expect)
 
 
 def test_auto_runs_the_blocks_below_the_crossover_and_float32_from_it(kquant_gguf, monkeypatch):

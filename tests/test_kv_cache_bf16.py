@@ -140,10 +140,24 @@ def test_torch_decode_and_prefill_over_bf16_match_reference():
     assert rel_err(got, ref) < 1e-5
 
 
-def test_cuda_needs_a_bf16_model():
+def test_cuda_needs_the_models_own_dtype():
     kv_quant.check_device("bfloat16", torch.device("cpu"), torch.float32)     # CPU: any dtype
+    kv_quant.check_device("float32", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16.*--dtype bfloat16"):
         kv_quant.check_device("bfloat16", torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32.*--dtype float32"):
+        kv_quant.check_device("float32", torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("given, device, model_dtype, low_bit, expect", [
+    ("auto", "cpu", "float32", True, "bfloat16"),       # a GGUF or bf16 model on CPU
+    ("auto", "cpu", "float32", False, "float32"),       # the float32 path
+    ("auto", "cpu", "bfloat16", True, "bfloat16"),      # torch's bf16 path (tensor parallel)
+    ("auto", "cuda", "bfloat16", False, "auto"),        # CUDA: the model's dtype, as before
+    ("float32", "cpu", "float32", True, "float32"),     # asked for: kept
+    ("fp8_e5m2", "cpu", "float32", True, "fp8_e5m2")])
+def test_auto_resolves_to_the_models_precision(given, device, model_dtype, low_bit, expect):
+    assert kv_quant.resolve(given, device, model_dtype, low_bit) == expect
 
 
 # ---- end to end on the tiny model -----------------------------------------------------------

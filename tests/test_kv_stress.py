@@ -44,7 +44,7 @@ configs = st.fixed_dictionaries({
     "kv_frag_threshold": st.sampled_from([0.0, 0.25]),
     "kv_min_tokens": st.sampled_from([0, 0, 20]),
     "kv_prefill_chunk": st.sampled_from([None, None, 8]),
-    "kv_cache_dtype": st.sampled_from(["auto", "auto", "fp8", "bfloat16"]),
+    "kv_cache_dtype": st.sampled_from(["auto", "float32", "fp8", "bfloat16"]),
 })
 op = st.one_of(
     st.tuples(st.just("add"), st.integers(0, 3), st.integers(2, 30), st.integers(1, 3)),

@@ -73,7 +73,7 @@ class CacheConfig:
     kv_cache_memory: Optional[int] = None     # bytes (CPU); default: a fraction of free RAM
     enable_prefix_caching: bool = False
     gpu_memory_utilization: float = 0.9       # CUDA: share of GPU memory for weights + KV + work
-    kv_cache_dtype: str = "auto"              # auto (the model's dtype) | bfloat16 | fp8 | ...
+    kv_cache_dtype: str = "auto"              # auto (the model's dtype) | float32 | bfloat16 | fp8..
     calculate_kv_scales: bool = False         # fp8: scales from the first prefill (else 1.0)
 
     def __post_init__(self):

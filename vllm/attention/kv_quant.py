@@ -1,6 +1,10 @@
 """The KV cache's storage format (--kv-cache-dtype) and its scales.
 
-    auto       the model's dtype (float32 on CPU): stored as computed
+    auto       the model's own precision (resolve()): on CPU bfloat16 for a model whose weights
+               are 16-bit or smaller (a GGUF model, a bf16 checkpoint, --dtype bfloat16), as
+               upstream runs those in bf16; float32 for a float32 model (--quantization none,
+               --dtype float32); on CUDA the model's dtype
+    float32    torch.float32 on CPU (stored as computed; a float32 model's own cache on CUDA)
     bfloat16   torch.bfloat16: half float32's bytes, rounded to nearest even (the CPU kernels
                widen it exactly as they read; on CUDA it is the bf16 model's own cache)
     fp8        = fp8_e4m3
@@ -38,7 +42,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
               "fp8_e5m2": torch.float8_e5m2}
 # the C kernels' format codes (csrc/cpu/decode_kernels.c KV_F32 / KV_E4M3 / KV_E5M2 / KV_BF16)
@@ -54,11 +59,22 @@ def is_fp8_dtype(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def resolve(kv_cache_dtype: str, device: str, model_dtype: str, low_bit_weights: bool) -> str:
+    """--kv-cache-dtype auto -> the name it stands for; any other name as given.
+    low_bit_weights: the model's weights are GGUF blocks or bf16 (a CPU model that computes in
+    float32 on weights of 16 bits or fewer)."""
+    if kv_cache_dtype != "auto" or device != "cpu":
+        return kv_cache_dtype
+    if low_bit_weights:
+        return "bfloat16"
+    return model_dtype if model_dtype in FLOAT_DTYPES else "auto"
+
+
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype == "bfloat16":
-        return torch.bfloat16
+    if kv_cache_dtype in FLOAT_DTYPES:
+        return FLOAT_DTYPES[kv_cache_dtype]
     return FP8_DTYPES[kv_cache_dtype]
 
 
@@ -67,14 +83,15 @@ def check_device(kv_cache_dtype: str, device: torch.device,
     """A clear ValueError, naming the flag, where `device` cannot run this cache format: fp8
     runs on CPU (the C kernels, torch) and on CUDA from sm_80 (Triton; torch without it), but
     Triton has no e4m3fn before sm_89 (Ada, Hopper), so fp8 / fp8_e4m3 there is refused.
-    bfloat16 runs on CPU under any model dtype, on CUDA as a bf16 model's own cache only."""
+    float32 and bfloat16 run on CPU under any model dtype, on CUDA as the model's own cache
+    only."""
     if kv_cache_dtype == "auto" or device.type == "cpu":
         return
     flag = f"--kv-cache-dtype {kv_cache_dtype}"
-    if kv_cache_dtype == "bfloat16":
-        if model_dtype != torch.bfloat16:
-            raise ValueError(f"{flag}: on {device.type} the KV cache is bfloat16 only under "
-                             f"--dtype bfloat16 (the default there), not {model_dtype}; use "
+    if kv_cache_dtype in FLOAT_DTYPES:
+        if model_dtype != FLOAT_DTYPES[kv_cache_dtype]:
+            raise ValueError(f"{flag}: on {device.type} the KV cache is {kv_cache_dtype} only "
+                             f"under --dtype {kv_cache_dtype}, not {model_dtype}; use "
                              f"--kv-cache-dtype auto")
         return
     if device.type != "cuda":

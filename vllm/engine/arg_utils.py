@@ -35,7 +35,7 @@ class EngineArgs:
     kv_cache_memory: Optional[int] = None  # CPU: KV bytes
     gpu_memory_utilization: float = 0.9    # CUDA: weights + activations + KV share of memory
     enable_prefix_caching: bool = False
-    kv_cache_dtype: str = "auto"           # auto = the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2
+    kv_cache_dtype: str = "auto"           # auto = the model's precision (kv_quant.resolve)
     calculate_kv_scales: bool = False      # fp8: per-layer K/V scales from the first prefill
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -80,7 +80,8 @@ class EngineArgs:
             choices=["auto", "float32", "bfloat16", "float16"],
             help="auto: bfloat16 on CUDA, float32 on CPU (a bf16 checkpoint keeps its GEMM "
                  "weights in bf16 in the batch bands where that is faster); bfloat16 on CPU: "
-                 "GEMM weights in bf16, activations and KV cache float32")
+                 "GEMM weights in bf16, activations float32, KV cache bf16 (--kv-cache-dtype "
+                 "auto)")
         add("--block-size", type=int, default=16)
         add("--max-model-len", type=int, default=None)
         add("--max-num-seqs", type=int, default=256)
@@ -93,8 +94,10 @@ class EngineArgs:
             help="CUDA: share of the GPU's memory for weights, activations and the KV cache; "
                  "the KV pool gets what a profiling forward leaves of it")
         add("--kv-cache-dtype", type=str, default="auto", choices=list(KV_CACHE_DTYPES),
-            help="KV cache storage: auto = the model's dtype; bfloat16 stores two bytes per "
-                 "value (CPU: 2x the tokens of float32; CUDA: a bf16 model's own cache); fp8 "
+            help="KV cache storage: auto = the model's precision (CPU: bfloat16 for a GGUF or "
+                 "bf16 model, float32 under --quantization none / --dtype float32; CUDA: the "
+                 "model's dtype); float32 stores four bytes per value; bfloat16 two (CPU: 2x "
+                 "the tokens of float32; CUDA: a bf16 model's own cache); fp8 "
                  "(= fp8_e4m3) or fp8_e5m2 store one byte per value (4x the tokens of "
                  "float32, 2x those of bf16, in the same memory; CPU, and CUDA from sm_80 "
                  "(e4m3 from sm_89))")
@@ -115,13 +118,14 @@ class EngineArgs:
                  "float32; auto (the default): gguf for a .gguf model, with the float32 weights "
                  "kept too for the batch sizes where they are faster on this CPU (timed at load)")
         add("--tensor-parallel-size", "-tp", type=int, default=1,
-            help="ranks that shard the model (not implemented yet in this build: 1)")
+            help="ranks that shard every layer (heads and MLP columns) and the KV pool")
         add("--pipeline-parallel-size", "-pp", type=int, default=1, help="not supported: 1")
         add("--data-parallel-size", "-dp", type=int, default=1, help="not supported: 1")
         add("--distributed-executor-backend", type=str, default=None,
             choices=list(DISTRIBUTED_BACKENDS),
-            help="how ranks run: uni (in this process; the default at size 1), mp or ray "
-                 "(not implemented yet in this build)")
+            help="how ranks run: uni (in this process; the default at size 1), mp (one "
+                 "process per rank on this node; the default above size 1) or ray (ranks as Ray "
+                 "actors, across nodes)")
         add("--kv-eviction-policy", type=str, default="none", choices=list(EVICTION_POLICIES))
         add("--kv-eviction-ratio", type=float, default=0.5,
             help="fraction of tokens evicted (budget = floor((1 - r) * length))")

@@ -7,6 +7,7 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from vllm.attention import kv_quant
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.core.kv_manager import KVManager
 from vllm.core.scheduler import Scheduler
@@ -16,8 +17,8 @@ from vllm.engine.stop_checker import StopChecker
 from vllm.executor.executor_base import ExecutorBase
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.model_executor.gguf_loader import resolve_model, resolve_quantization
-from vllm.model_executor.model_loader import (GGUF_KEEP_FLOAT32_ATTR, GGUF_QUANT_ATTR,
-                                              resolve_cpu_dtype)
+from vllm.model_executor.model_loader import (BF16_WEIGHTS_ATTR, GGUF_KEEP_FLOAT32_ATTR,
+                                              GGUF_QUANT_ATTR, resolve_cpu_dtype)
 from vllm.model_executor.sampler import (Sampler, SamplerOutput, SamplingRow,
                                          compute_prompt_logprobs)
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -71,9 +72,13 @@ class LLMEngine:
                                         load_format=args.load_format, hf_config=hf_config,
                                         quantization=quantization,
                                         quantization_file=quant_file)
+        low_bit_weights = quantization == "gguf" or hasattr(hf_config, BF16_WEIGHTS_ATTR) \
+            or args.dtype == "bfloat16"
+        kv_cache_dtype = kv_quant.resolve(args.kv_cache_dtype, self.device_config.device,
+                                          self.model_config.dtype, low_bit_weights)
         self.cache_config = CacheConfig(args.block_size, args.num_gpu_blocks_override,
                                         args.kv_cache_memory, args.enable_prefix_caching,
-                                        args.gpu_memory_utilization, args.kv_cache_dtype,
+                                        args.gpu_memory_utilization, kv_cache_dtype,
                                         args.calculate_kv_scales)
         self.scheduler_config = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.max_num_seqs),

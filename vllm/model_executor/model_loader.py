@@ -37,8 +37,8 @@ def resolve_cpu_dtype(dtype: str, device: str, hf_config, tp_size: int,
                       quantization: str) -> str:
     """The compute dtype of a model on `device`, marking hf_config where its GEMM weights stay
     in bf16 on the CPU (BF16_WEIGHTS_ATTR): --dtype bfloat16, or --dtype auto on a checkpoint
-    whose own dtype is bfloat16; activations, accumulation and the KV cache (--kv-cache-dtype
-    auto) are float32 then. Tensor parallelism, or no C kernels (VLLM_KERNEL_BACKEND=torch),
+    whose own dtype is bfloat16; activations and accumulation are float32 then (the KV cache
+    bfloat16: kv_quant.resolve). Tensor parallelism, or no C kernels (VLLM_KERNEL_BACKEND=torch),
     keeps torch's bf16 path (--dtype bfloat16) or float32 (auto)."""
     from vllm import _custom_ops as ops
     own = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
