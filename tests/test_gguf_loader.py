@@ -456,6 +456,26 @@ def test_auto_drops_the_side_that_wins_no_band(kquant_gguf, monkeypatch, side):
     assert bool(model.layers[0].fused.qkv_q) == (side == "blocks")     # the C decode layer's
 
 
+@pytest.mark.parametrize("float32_share, expect", [(0.97, None), (0.9, 16), (0.5, 0)])
+def test_auto_keeps_float32_only_where_it_is_a_margin_faster(monkeypatch, float32_share, expect):
+    """Timed steps on a fake clock: float32 takes `float32_share` of the blocks' time from 16
+    rows (from 1 row at 0.5), the blocks' time below. Within CROSSOVER_MARGIN: the blocks
+    everywhere; past it: float32 from the first row count where it wins."""
+    import functools
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models import llama
+
+    first = 1 if float32_share == 0.5 else 16
+
+    def step(m, quant):
+        return 1.0 if quant or m < first else float32_share
+    model = SimpleNamespace(_timed_forward=lambda m, quant: functools.partial(step, m, quant))
+    monkeypatch.setattr(llama, "_seconds", lambda call: call())
+    got = llama.LlamaForCausalLM.quant_crossover(model, repeats=3)
+    assert got == (llama.CROSSOVER_ROWS[-1] + 1 if expect is None else expect)
+
+
 def test_auto_crossover_is_timed_on_the_model(kquant_gguf):
     """The real timing: a row count of CROSSOVER_ROWS, 0 or past it; the model generates."""
     from vllm import SamplingParams

@@ -201,7 +201,7 @@ def _min_seconds(candidates: Dict[str, Iterator[Callable[[], object]]]) -> Dict[
     return {name: min(ts) for name, ts in _rounds(candidates, CALLS).items()}
 
 
-def _paired(a: List[float], b: List[float]) -> float:
+def paired(a: List[float], b: List[float]) -> float:
     """Median over rounds of a's time / b's time in the same round: below 1, a is faster. Each
     ratio compares calls made a moment apart, so the host's drift between rounds (memory
     bandwidth moves by half within minutes here) and one preempted call cancel out, where two
@@ -405,7 +405,7 @@ def choose_decode_layer(plan: KernelPlan, step: Optional[Callable[[int, bool, bo
     step, fused in C or per op, the C GEMMs prefetching their next panels or not -- at each band
     up to 128 rows: the fused layer with and without prefetch, and the per-op path with it, in
     LAYER_CALLS rounds. Keep the prefetch of the fused layer where it is PREFETCH_MARGIN faster
-    in the median round (_paired), and the faster of fused and per op likewise; cache the plan.
+    in the median round (paired), and the faster of fused and per op likewise; cache the plan.
     The margin: one layer's calls time the prefetch within a few % of its cost in a whole step,
     either way, and at one row on the AMD EPYC Zen 4 host (both builds) the whole step ran
     1.16-1.20x slower with it while single-layer rounds had it 4% ahead once (and the minima of 8
@@ -425,8 +425,8 @@ def choose_decode_layer(plan: KernelPlan, step: Optional[Callable[[int, bool, bo
             for name in times:
                 times[name].append(min(rounds[name]))
             on, off, per_op = rounds["fused"], rounds["fused_no_prefetch"], rounds["per_op"]
-            prefetch.append(_paired(on, off) <= 1.0 - PREFETCH_MARGIN)
-            fused_wins.append(_paired(on if prefetch[-1] else off, per_op) < 1.0)
+            prefetch.append(paired(on, off) <= 1.0 - PREFETCH_MARGIN)
+            fused_wins.append(paired(on if prefetch[-1] else off, per_op) < 1.0)
     except HostBusy:
         logger.warning("CPU kernel plan: host too busy to time the decode layer; using the "
                        "fused C layer, not cached")

@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 # --quantization auto: the decode batch sizes timed blocks against float32 (a step of 64 rows
 # already runs both compute-bound, as a prefill does; 256 would add seconds to every load)
 CROSSOVER_ROWS = tuple(m for m in cpu_kernel_plan.TIMED_ROWS if m <= 64)
+# the float32 layers (4-8x the blocks' bytes) are kept only from a row count where their step is
+# this much faster: with ties going to float32, a noisy load-time timing on the AMD EPYC AVX2
+# host kept them from 16 rows, where the default then ran 0.92x the blocks' tok/s
+CROSSOVER_MARGIN = 0.05
 
 
 class Linear(nn.Module):
@@ -341,18 +345,21 @@ class LlamaForCausalLM(nn.Module):
         logger.info("auto weight format: %s (timed in %.1f s)", choice,
                     time.perf_counter() - start)
 
-    def quant_crossover(self, repeats: int = 2) -> int:
+    def quant_crossover(self, repeats: int = 5) -> int:
         """The smallest row count of CROSSOVER_ROWS from which a decode step (all layers, the
-        LM head) is no slower on the float32 layers than on the blocks, min of `repeats` each; 0
-        when float32 wins at 1 row, past CROSSOVER_ROWS[-1] when it never does. Larger steps
+        LM head) on the float32 layers takes at most 1 - CROSSOVER_MARGIN of its time on the
+        blocks, in the median of `repeats` rounds taking turns (cpu_kernel_plan.paired); 0 when
+        float32 wins at 1 row, past CROSSOVER_ROWS[-1] when it never does. Larger steps
         (prefills) are taken to go the way of the last band timed."""
         for m in CROSSOVER_ROWS:
-            seconds = {}
-            for quant in (True, False):
-                step = self._timed_forward(m, quant)
+            steps = {quant: self._timed_forward(m, quant) for quant in (True, False)}
+            for step in steps.values():
                 step()                                  # warm-up: scratch, page faults
-                seconds[quant] = min(_seconds(step) for _ in range(repeats))
-            if seconds[False] <= seconds[True]:
+            seconds = {quant: [] for quant in steps}
+            for _ in range(repeats):
+                for quant, step in steps.items():
+                    seconds[quant].append(_seconds(step))
+            if cpu_kernel_plan.paired(seconds[False], seconds[True]) <= 1 - CROSSOVER_MARGIN:
                 return 0 if m == 1 else m
         return CROSSOVER_ROWS[-1] + 1
 
