@@ -15,8 +15,9 @@ of its per-round ratios to float32 (the lowest beside it). Writes benchmark_quan
 
 --gemv instead times one GEMM of each of the default model's shapes per weight type (BF16 panels,
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and Q4_K / Q6_K where the rows are a multiple of 256 wide: only
-ffn_down's 1536; llama.cpp writes 576-wide rows of a Q4_K_M file as Q5_0) against the engine's
-float32 C GEMM, at --rows activation rows, weights streamed from memory (the call cycles through
+ffn_down's 1536; llama.cpp writes 576-wide rows of a Q4_K_M file as Q5_0), and torch's own 4-bit
+GEMM (`torch int4`: _weight_int4pack_mm_for_cpu with bf16 activations, onto which Q4_0 and Q4_1
+map exactly), against the engine's float32 C GEMM, at --rows activation rows, weights streamed from memory (the call cycles through
 copies that together exceed the last-level cache, as a decode step's 30 layers do). Writes
 benchmark_quant_gemv.json and .png.
 
@@ -58,6 +59,20 @@ def _random_blocks(qtype: int, n: int, k: int, rng) -> torch.Tensor:
     for off in offsets.get(qtype, [0]):
         b[..., off:off + 2] = scale
     return torch.from_numpy(b.reshape(n, -1))
+
+
+def _torch_int4_seconds(x: torch.Tensor, n: int, k: int) -> float:
+    """torch's own 4-bit GEMM (_weight_int4pack_mm_for_cpu: groups of 32, a bf16 scale and zero
+    per group, bf16 activations), the layout a Q4_0 / Q4_1 weight maps onto exactly; cycled
+    through copies as the blocks are."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    nbytes = n * k // 2 + n * (k // 32) * 4
+    ws = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+          for _ in range(max(2, STREAM_BYTES // nbytes))]
+    sz = (torch.rand(k // 32, n, 2) * 2.0 ** -10).to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    op = torch.ops.aten._weight_int4pack_mm_for_cpu
+    return _time_cycled([lambda w=w: op(xb, w, 32, sz) for w in ws])
 
 
 def _time_cycled(calls, repeats: int = 5) -> float:
@@ -105,9 +120,11 @@ def gemv_main(args) -> None:
                 times[(shape, name, m)] = sec
                 row[f"{name} us"] = sec * 1e6
                 row[f"{name} GB/s"] = nbytes / sec / 1e9
+            times[(shape, "torch int4", m)] = sec = _torch_int4_seconds(x, n, k)
+            row["torch int4 us"] = sec * 1e6
             rows.append(row)
     cols = ["gemm", "N", "K", "rows", "fp32 us", "fp32 GB/s", "BF16 us", "BF16 GB/s"] + \
-        [f"{t} us" for t in GEMV_TYPES]
+        [f"{t} us" for t in GEMV_TYPES] + ["torch int4 us"]
     info = cpu_info()
     title = (f"{info['cpu']}, quant kernels {qk.active_isa()}, {args.threads} threads: "
              "one GEMM, weights streamed")
@@ -115,7 +132,7 @@ def gemv_main(args) -> None:
     formats = {"fp32": {s: "fp32" for s in SHAPES}, "BF16": {s: "BF16" for s in SHAPES},
                "Q8_0": {s: "Q8_0" for s in SHAPES},
                "Q4_0": {s: "Q4_0" for s in SHAPES}, "Q4_1": {s: "Q4_1" for s in SHAPES},
-               "Q4_K_M": Q4_K_M}
+               "Q4_K_M": Q4_K_M, "torch int4": {s: "torch int4" for s in SHAPES}}
     step_rows = []
     for m in args.rows:
         step = {f: sum(times[(s, fmt[s], m)] * SHAPES[s][2] for s in SHAPES)
