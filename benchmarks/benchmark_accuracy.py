@@ -278,8 +278,8 @@ DTYPE_STYLE = {REFERENCE: ("o", "-"), "bfloat16": ("D", (0, (5, 1))),
 
 def frontier_plot(rows: List[Dict], metric: str, label: str, title: str, lower_is_better: bool):
     """Every variant as a dot, each policy's Pareto frontier per KV dtype as a line (solid:
-    float32 KV, long dashes: bf16, dashed: fp8_e4m3, dotted: fp8_e5m2), float32-KV Native as a star, Native at
-    another KV dtype as a black marker of that dtype."""
+    float32 KV, long dashes: bf16, dashed: fp8_e4m3, dotted: fp8_e5m2), float32-KV Native as a
+    star, Native at another KV dtype as a black marker of that dtype."""
     plt = common.plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     native = next(r for r in rows if is_reference(r))

@@ -23,8 +23,9 @@ fp8 sizing. The real engine gets --kv-cache-memory = the baseline pool's bytes (
 KV dtype --kv-cache-dtype auto gives the model: bf16 for the default GGUF model, float32 for a
 float32 checkpoint) with --kv-cache-dtype fp8 and sizes the pool itself (2x or 4x the blocks).
 The simulated executor cannot store its synthetic statistics in fp8 (a RuntimeError on the
-first write), so there the variant is vToken with the block count the same bytes hold at fp8 instead of bf16 (2x), computed
-from the bytes per block of each dtype; its eviction decisions are the bf16 run's.
+first write), so there the variant is vToken with the block count the same bytes hold at fp8
+instead of bf16 (2x), computed from the bytes per block of each dtype; its eviction decisions
+are the bf16 run's.
 """
 import time
 from typing import Callable, Dict, List, Optional, Tuple

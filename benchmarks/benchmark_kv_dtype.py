@@ -1,5 +1,5 @@
-"""Decode throughput with an fp8 KV cache against float32 (--kv-cache-dtype, CPU): the default
-model's shape (SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads of 64, MLP 1536,
+"""Decode throughput with a bf16 or fp8 KV cache against float32 (--kv-cache-dtype, CPU): the
+default model's shape (SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads of 64, MLP 1536,
 49,152-token head) with seeded dummy weights, `batch` rows of `context` cached tokens each, one
 decode step = the model forward (the plan's path: fused C decode layers or per op) + logits.
 The caches take turns step by step, so a drift of the shared host moves all alike; the figure is

@@ -17,8 +17,9 @@ of its per-round ratios to float32 (the lowest beside it). Writes benchmark_quan
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and Q4_K / Q6_K where the rows are a multiple of 256 wide: only
 ffn_down's 1536; llama.cpp writes 576-wide rows of a Q4_K_M file as Q5_0), and torch's own 4-bit
 GEMM (`torch int4`: _weight_int4pack_mm_for_cpu with bf16 activations, onto which Q4_0 and Q4_1
-map exactly), against the engine's float32 C GEMM, at --rows activation rows, weights streamed from memory (the call cycles through
-copies that together exceed the last-level cache, as a decode step's 30 layers do). Writes
+map exactly), against the engine's float32 C GEMM, at --rows activation rows, weights streamed
+from memory (the call cycles through copies that together exceed the last-level cache, as a
+decode step's 30 layers do). Writes
 benchmark_quant_gemv.json and .png.
 
     python benchmarks/benchmark_quant.py [--threads 2] [--batches 1 16 32] [--tokens 33]
