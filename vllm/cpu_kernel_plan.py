@@ -24,6 +24,8 @@ scheduler tick) it gives up after a few seconds and runs the C path everywhere, 
 so a later, quiet load times again. A model whose weights fit in STREAM_BYTES (test models) is
 bound by per-op overhead, not by streaming weights: it runs the C path everywhere, untimed
 (source "small").
+GGUF Q4_0 / Q4_1 layers are timed against torch's own 4-bit GEMM (choose_int4) on every load:
+it runs the bands it wins by MARGIN, per op there.
 VLLM_CPU_GEMM=c|mkl|torch forces that GEMM path in every band (mkl: up to 128 rows, torch above)
 and times nothing (tests): attention then runs in C, and the fused layer wherever the GEMM is c.
 The decision is cached in <cache root>/cpu_kernels/plan-<key>.json, the key naming the kernel
@@ -97,6 +99,7 @@ class KernelPlan:
     extra_weight_bytes: int = 0           # bytes kept beyond one layout per weight
     cache_path: str = ""
     others_cores: Optional[float] = None  # other processes' mean CPU use while timing (OthersCpu)
+    int4: Dict[str, List[bool]] = field(default_factory=dict)   # choose_int4, per band
 
     def gemm_path(self, k: int, n: int, m: int) -> str:
         return self.gemm[shape_name(k, n)][band(m)]
@@ -448,6 +451,58 @@ def choose_decode_layer(plan: KernelPlan, step: Optional[Callable[[int, bool, bo
         _write(plan)
     logger.info("CPU kernel plan (%s, %d threads, timed in %.1f s): %s", plan.isa, plan.threads,
                 plan.seconds, summary(plan.as_dict()))
+
+
+def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
+    """torch's own 4-bit GEMM as an alternative to the GGUF blocks: for each shape of the
+    QuantLinears whose weights map onto it (Q4_0 / Q4_1, quant_linear.int4_layout), time both at
+    each band up to 128 rows, the model's layers of that shape in turn (so that the weights
+    stream from memory), in CALLS rounds; torch's runs a band where it is MARGIN faster in the
+    median round (paired), as a second weight layout must be, and such a band runs per op (the
+    fused C decode layer multiplies the blocks). Layouts of shapes that win no band are dropped.
+    Timed on every load (cheap: a few ms a shape and band); a busy host, a forced plan, no plan,
+    or 4-bit weights under a quarter of STREAM_BYTES in all (test models: per-op overhead, not
+    the weight stream, would decide; the default model has 53 MB) keep the blocks."""
+    from vllm.model_executor.quant_linear import int4_layout
+    by_shape: Dict[str, List] = {}
+    for lin in layers:
+        if getattr(lin, "int4_source", None) is not None:
+            by_shape.setdefault(shape_name(lin.in_features, lin.out_features), []).append(lin)
+    nbytes = sum(lin.in_features * lin.out_features // 2 for lins in by_shape.values()
+                 for lin in lins)
+    timed = plan is not None and plan.source not in ("forced", "busy") and \
+        nbytes >= STREAM_BYTES // 4
+    for name, lins in by_shape.items() if timed else ():
+        for lin in lins:
+            lin.int4 = int4_layout(lin.int4_source)
+        try:
+            wins = _int4_wins(lins)
+        except HostBusy:
+            wins = [False] * len(BANDS)
+        plan.int4[name] = wins
+        bands = tuple(b for b, win in enumerate(wins) if win)
+        for lin in lins:
+            lin.int4, lin.int4_bands = (lin.int4, bands) if bands else (None, ())
+        for b in bands:
+            plan.decode_layer[b] = False
+    for lin in layers:
+        if hasattr(lin, "int4_source"):
+            lin.int4_source = None
+    if by_shape and timed:
+        logger.info("CPU kernel plan: torch's 4-bit GEMM in bands %s", {
+            name: [b for b, win in enumerate(wins) if win] for name, wins in plan.int4.items()})
+
+
+def _int4_wins(lins: List) -> List[bool]:
+    """Per band: torch's 4-bit GEMM MARGIN faster than the blocks (the last band: as 128 rows)."""
+    wins = []
+    for m in TIMED_ROWS[:_LAST]:
+        x = torch.randn(m, lins[0].in_features)
+        rounds = _rounds(_round_robin({
+            "blocks": [lambda lin=lin: lin.blocks_gemm(x) for lin in lins],
+            "int4": [lambda lin=lin: lin.int4_gemm(x) for lin in lins]}), CALLS)
+        wins.append(paired(rounds["int4"], rounds["blocks"]) <= 1.0 - MARGIN)
+    return wins + wins[-1:]
 
 
 def summary(plan: dict) -> str:

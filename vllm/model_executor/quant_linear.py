@@ -15,13 +15,13 @@ import functools
 import logging
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from vllm import quant_kernels
+from vllm import cpu_kernel_plan, quant_kernels
 
 logger = logging.getLogger(__name__)
 # the GEMM weights of a llama checkpoint (HF names); the LM head is "lm_head.weight"
@@ -124,6 +124,31 @@ def block_linear(weights: List[QuantWeight], bias: Optional[torch.Tensor] = None
     return QuantLinear(weights, bias)
 
 
+def int4_layout(weights: List[QuantWeight]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """torch's own 4-bit GEMM layout (_weight_int4pack_mm_for_cpu: groups of 32, a scale and a
+    zero per group and column, value = (q - 8) * scale + zero) of a fused GEMM whose weights are
+    all Q4_0 / Q4_1, else None: a Q4_1 value d * q + m is (q - 8) * d + (m + 8d), a Q4_0 one
+    d * (q - 8) has zero 0. Scales and zeros in bf16, as the op takes them with bf16
+    activations. -> (packed weight, scales_and_zeros [K / 32, N, 2])."""
+    if any(w.qtype not in (quant_kernels.Q4_0, quant_kernels.Q4_1) for w in weights):
+        return None
+    qs, scales, zeros = [], [], []
+    for w in weights:
+        n, k = w.shape
+        b = w.blocks.numpy().reshape(n, k // 32, quant_kernels.BLOCK_BYTES[w.qtype])
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q4_1 = w.qtype == quant_kernels.Q4_1
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if q4_1 else 0.0
+        nibbles = b[..., 4 if q4_1 else 2:]           # element j in byte j % 16: low, then high
+        qs.append(np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k))
+        scales.append(d)
+        zeros.append(m + 8 * d if q4_1 else np.zeros_like(d))
+    q = torch.from_numpy(np.concatenate(qs).astype(np.int32))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = np.stack([np.concatenate(scales).T, np.concatenate(zeros).T], axis=-1)
+    return packed, torch.from_numpy(sz).to(torch.bfloat16).contiguous()
+
+
 def _runs(weights: List[QuantWeight]) -> List[List[QuantWeight]]:
     """Consecutive weights of one type together: [Q4_K, Q4_K, Q6_K] -> [[Q4_K, Q4_K], [Q6_K]]."""
     runs: List[List[QuantWeight]] = []
@@ -154,9 +179,14 @@ class QuantLinear(nn.Module):
     C decode layer multiplies `block_weight` instead."""
 
     packed = None
+    int4 = None             # int4_layout(), in the bands (cpu_kernel_plan.band) int4_bands
+    int4_bands: Tuple[int, ...] = ()
 
     def __init__(self, weights: List[QuantWeight], bias: Optional[torch.Tensor] = None):
         super().__init__()
+        int4_types = (quant_kernels.Q4_0, quant_kernels.Q4_1)
+        # for cpu_kernel_plan.choose_int4, which drops it
+        self.int4_source = weights if all(w.qtype in int4_types for w in weights) else None
         self.in_features = weights[0].shape[1]
         self.out_features = sum(w.shape[0] for w in weights)
         runs = _runs(weights)
@@ -184,6 +214,23 @@ class QuantLinear(nn.Module):
                 f"type={'+'.join(quant_kernels.TYPE_NAMES[t] for t in self.qtypes)}")
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.int4 is not None and cpu_kernel_plan.band(x.shape[0]) in self.int4_bands:
+            return self.int4_gemm(x, residual)
+        return self.blocks_gemm(x, residual)
+
+    def int4_gemm(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """torch's 4-bit GEMM on bf16 activations, float32 out."""
+        packed, scales_and_zeros = self.int4
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, 32,
+                                                       scales_and_zeros).float()
+        if self.bias is not None:
+            y += self.bias
+        if residual is not None:
+            y += residual
+        return y
+
+    def blocks_gemm(self, x: torch.Tensor,
+                    residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         if len(self.qtypes) == 1:
             return quant_kernels.gemm(x, self._parts.tensors[0], self._parts.types[0],
                                       self.out_features, self.in_features, self.bias, residual)

@@ -316,6 +316,7 @@ class LlamaForCausalLM(nn.Module):
         if self.plan is not None:
             step = self._timed_step if self.layers[0].fused is not None else None
             cpu_kernel_plan.choose_decode_layer(self.plan, step)
+        cpu_kernel_plan.choose_int4(self.plan, _quant_linears(self.layers, self.lm_head))
         self.quant_layers, self.quant_head, self.quant_below = None, None, 0
         if blocks and quant_keep_float32:
             self._add_quant_twin(cfg, w, blocks)
@@ -330,6 +331,7 @@ class LlamaForCausalLM(nn.Module):
             for i, dense in enumerate(self.layers))
         head_q = group(blocks, ["lm_head.weight"])
         self.quant_head = block_linear(head_q, plan=self.plan) if head_q else self.lm_head
+        cpu_kernel_plan.choose_int4(self.plan, _quant_linears(self.quant_layers, self.quant_head))
         bf16 = all(w.qtype == quant_kernels.BF16 for w in blocks.values())
         kept = "bf16 weights" if bf16 else "GGUF blocks"
         start = time.perf_counter()
@@ -482,6 +484,11 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.world_size == 1:
             return logits
         return self.tp.gather_vocab(logits.contiguous(), self.config.vocab_size)
+
+
+def _quant_linears(layers: nn.ModuleList, head: nn.Module) -> List[QuantLinear]:
+    gemms = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return [lin for lin in gemms + [head] if isinstance(lin, QuantLinear)]
 
 
 def _seconds(call: Callable[[], object]) -> float:
