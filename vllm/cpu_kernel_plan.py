@@ -466,7 +466,7 @@ def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
     from vllm.model_executor.quant_linear import int4_layout
     by_shape: Dict[str, List] = {}
     for lin in layers:
-        if getattr(lin, "int4_source", None) is not None:
+        if lin.int4_source is not None:
             by_shape.setdefault(shape_name(lin.in_features, lin.out_features), []).append(lin)
     nbytes = sum(lin.in_features * lin.out_features // 2 for lins in by_shape.values()
                  for lin in lins)
@@ -486,8 +486,7 @@ def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
         for b in bands:
             plan.decode_layer[b] = False
     for lin in layers:
-        if hasattr(lin, "int4_source"):
-            lin.int4_source = None
+        lin.int4_source = None
     if by_shape and timed:
         logger.info("CPU kernel plan: torch's 4-bit GEMM in bands %s", {
             name: [b for b, win in enumerate(wins) if win] for name, wins in plan.int4.items()})

@@ -72,8 +72,8 @@ class LLMEngine:
                                         load_format=args.load_format, hf_config=hf_config,
                                         quantization=quantization,
                                         quantization_file=quant_file)
-        low_bit_weights = quantization == "gguf" or hasattr(hf_config, BF16_WEIGHTS_ATTR) \
-            or args.dtype == "bfloat16"
+        # --dtype bfloat16 without the bf16 kernels leaves model_config.dtype bfloat16
+        low_bit_weights = quantization == "gguf" or hasattr(hf_config, BF16_WEIGHTS_ATTR)
         kv_cache_dtype = kv_quant.resolve(args.kv_cache_dtype, self.device_config.device,
                                           self.model_config.dtype, low_bit_weights)
         self.cache_config = CacheConfig(args.block_size, args.num_gpu_blocks_override,

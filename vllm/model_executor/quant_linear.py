@@ -124,13 +124,16 @@ def block_linear(weights: List[QuantWeight], bias: Optional[torch.Tensor] = None
     return QuantLinear(weights, bias)
 
 
+INT4_TYPES = (quant_kernels.Q4_0, quant_kernels.Q4_1)     # map onto torch's 4-bit GEMM
+
+
 def int4_layout(weights: List[QuantWeight]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """torch's own 4-bit GEMM layout (_weight_int4pack_mm_for_cpu: groups of 32, a scale and a
     zero per group and column, value = (q - 8) * scale + zero) of a fused GEMM whose weights are
     all Q4_0 / Q4_1, else None: a Q4_1 value d * q + m is (q - 8) * d + (m + 8d), a Q4_0 one
     d * (q - 8) has zero 0. Scales and zeros in bf16, as the op takes them with bf16
     activations. -> (packed weight, scales_and_zeros [K / 32, N, 2])."""
-    if any(w.qtype not in (quant_kernels.Q4_0, quant_kernels.Q4_1) for w in weights):
+    if any(w.qtype not in INT4_TYPES for w in weights):
         return None
     qs, scales, zeros = [], [], []
     for w in weights:
@@ -184,9 +187,8 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weights: List[QuantWeight], bias: Optional[torch.Tensor] = None):
         super().__init__()
-        int4_types = (quant_kernels.Q4_0, quant_kernels.Q4_1)
         # for cpu_kernel_plan.choose_int4, which drops it
-        self.int4_source = weights if all(w.qtype in int4_types for w in weights) else None
+        self.int4_source = weights if all(w.qtype in INT4_TYPES for w in weights) else None
         self.in_features = weights[0].shape[1]
         self.out_features = sum(w.shape[0] for w in weights)
         runs = _runs(weights)
