@@ -529,3 +529,20 @@ def test_c_decode_layer_on_blocks_equals_the_per_op_path(kquant_gguf, monkeypatc
             assert a.keys() == b.keys()
             diff = torch.tensor([a[t].logprob - b[t].logprob for t in a]).abs().max()
             assert float(diff) < 1e-4
+
+
+def test_kquant_gguf_under_the_torch_backend_matches_the_c_kernels(kquant_gguf):
+    """VLLM_KERNEL_BACKEND=torch (no C attention, no C decode layer) on a model whose GEMMs stay
+    in GGUF blocks: decode steps run (they once reached the C decode layer's plan, which the
+    torch backend never builds) and give the C kernels' greedy tokens."""
+    from vllm import SamplingParams, _custom_ops as ops
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [_prompt(30, seed=3), _prompt(45, seed=4)]
+    ref = [o.outputs[0].token_ids for o in
+           _kquant_llm(kquant_gguf, "gguf").generate(prompts, params, use_tqdm=False)]
+    with ops.forced_backend("torch"):
+        llm = _kquant_llm(kquant_gguf, "gguf")
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.llm_engine.model_executor.driver_worker.model.plan is None
+    assert got == ref

@@ -455,7 +455,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _all_in_c(self, layers: nn.ModuleList, meta: AttentionMetadata, num_tokens: int) -> bool:
         """A decode-only step in a band where the plan runs each layer as one C call."""
-        return (layers[0].fused is not None and not meta.prefills
+        return (self.plan is not None and layers[0].fused is not None and not meta.prefills
                 and meta.num_decodes == num_tokens > 0 and self.plan.use_decode_layer(num_tokens)
                 and ops.cpu_kernels_enabled())
 
