@@ -60,7 +60,8 @@ def eviction(policy: str, budget: str, chunk: int) -> KVEvictionParams:
 
 
 def variants(policies: Sequence[str], budgets: Sequence[str]) -> List[Tuple[str, str]]:
-    return [("none", "-")] + [(p, b) for p in policies for b in budgets]
+    """Native once, then every evicting policy at every budget (none has no budget)."""
+    return [("none", "-")] + [(p, b) for p in policies if p != "none" for b in budgets]
 
 
 def make_engine(model: Optional[str], args, num_seqs: int, max_len: int, cls=LLMEngine,
@@ -442,12 +443,23 @@ def plot(data: Dict, suffix: str) -> None:
         print(f"wrote {os.path.join(common.RESULTS, name + suffix)}.png")
 
 
+def ppl_change(rows: List[Dict], native: Dict[int, float]) -> str:
+    """Perplexity change from the same text's Native, in %: the mean over texts (geometric),
+    then the texts' range. One 2,048-token window's change wanders (fp8_e4m3 KV: +0.7% to
+    +2.0% over eight windows), so a mean over two texts is only good to about +-0.3%."""
+    ratios = [r["ppl"] / native[r["text"]] for r in rows]
+    mean = float(np.exp(np.mean(np.log(ratios))))
+    pct = lambda x: f"{100 * (x - 1):+.2f}"      # noqa: E731
+    return f"{pct(mean)} ({pct(min(ratios))} .. {pct(max(ratios))})"
+
+
 def perplexity_task(model, args, tok, todo, length, texts, data) -> List[Dict]:
     t0 = time.perf_counter()
     per_text = []
     for i, ids in enumerate(essay_windows(tok, texts, length, args.seed)):
         per_text += [dict(r, text=i) for r in run_perplexity(model, args, ids, todo,
                                                               args.kv_cache_dtypes)]
+    native = {r["text"]: r["ppl"] for r in per_text if is_reference(r)}
     merged = []                                  # mean over texts per (KV dtype, policy, budget)
     for cell in dict.fromkeys((r["kv_dtype"], r["policy"], r["budget"]) for r in per_text):
         rs = [r for r in per_text if (r["kv_dtype"], r["policy"], r["budget"]) == cell]
@@ -455,8 +467,10 @@ def perplexity_task(model, args, tok, todo, length, texts, data) -> List[Dict]:
                        "ppl": float(np.exp(np.mean([np.log(r["ppl"]) for r in rs]))),
                        "kl": float(np.mean([r["kl"] for r in rs])),
                        "kv_x": float(np.mean([r["kv_x"] for r in rs])),
-                       "bytes_x": float(np.mean([r["bytes_x"] for r in rs]))})
-    common.table(merged, ["kv_dtype", "policy", "budget", "kv_x", "bytes_x", "ppl", "kl"],
+                       "bytes_x": float(np.mean([r["bytes_x"] for r in rs])),
+                       "ppl_change_pct": ppl_change(rs, native)})
+    common.table(merged, ["kv_dtype", "policy", "budget", "kv_x", "bytes_x", "ppl", "kl",
+                          "ppl_change_pct"],
                  f"(a) teacher-forced perplexity / KL from float32-KV Native, {texts} x {length} "
                  f"tokens ({time.perf_counter() - t0:.0f} s)")
     data.update(ppl_length=length, texts=texts, budgets=[b for _, b in todo[1:]],

@@ -104,3 +104,17 @@ def test_a_json_from_when_the_reference_was_auto_reads_as_float32():
     assert new["kv_cache_dtypes"] == ["float32", "fp8_e4m3"]
     assert [bench.is_reference(r) for r in new["perplexity"]] == [True, False]
     assert bench.kv_dtype_of({"policy": "none"}) == "float32"        # before the dtype axis
+
+
+def test_native_runs_once_whatever_the_budgets():
+    assert bench.variants(["none", "tova"], ["256", "512"]) == [
+        ("none", "-"), ("tova", "256"), ("tova", "512")]
+    assert bench.variants(["none"], ["256", "512"]) == [("none", "-")]
+
+
+def test_ppl_change_is_per_text_against_that_texts_native():
+    """Two texts whose Native perplexities differ: each row against its own text's Native
+    (+1% and +4%), the mean geometric, then the range."""
+    native = {0: 20.0, 1: 30.0}
+    rows = [{"ppl": 20.2, "text": 0}, {"ppl": 31.2, "text": 1}]
+    assert bench.ppl_change(rows, native) == "+2.49 (+1.00 .. +4.00)"
