@@ -65,7 +65,7 @@ def test_torch_write_equals_torch_cast_and_reads_back(dtype, scale):
 @cpu_built
 @pytest.mark.parametrize("dtype", FP8)
 def test_c_write_equals_torch_cast(isa, dtype):
-    """The C quantizer (rope_write_kv) against torch's cast, bit for bit: cos 1, sin 0 leaves
+    """The C quantizer (rope_write_kv, keys not spread) against torch's cast, bit for bit: cos 1, sin 0 leaves
     K as computed, so every hard value reaches the quantizer unchanged; then a real rotation
     against the float32 kernel's rotated values cast by torch."""
     kvh, d, h = 2, 16, 2
@@ -87,7 +87,7 @@ def test_c_write_equals_torch_cast(isa, dtype):
         stacked = torch.zeros(1, t + 5, 2, kvh, d, dtype=dtype)
         kv_quant.register(stacked)
         kv_quant.set_scales(stacked, [scale_k], [scale_v])
-        q = cpu_kernels.rope_write_kv(qkv, cos, sin, slots, stacked[0], h)
+        q = cpu_kernels.rope_write_kv(qkv, cos, sin, slots, stacked[0], h, spread=False)
         q32 = cpu_kernels.rope_write_kv(qkv, cos, sin, slots, torch.zeros_like(ref32), h)
         assert torch.equal(q, q32)
         keep = slots[slots >= 0]
@@ -97,6 +97,69 @@ def test_c_write_equals_torch_cast(isa, dtype):
         untouched = torch.ones(t + 5, dtype=torch.bool)
         untouched[keep] = False
         assert not stacked[0].view(torch.uint8)[untouched].any()
+
+
+@cpu_built
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("d", [16, 48, 64])
+def test_c_spread_keys_equal_torch_spread(isa, dtype, d):
+    """An fp8 cache's writer spreads q and k (kv_quant.spread: head dim 48 in blocks of 16):
+    the C path's q and stored K bytes are torch's spread of the float32 kernel's rotated values,
+    bit for bit (the same butterflies in the same order); V is stored as computed; q.k, key
+    norms and the cosine between two keys are unchanged to float32 rounding."""
+    kvh, h, t = 2, 4, 40
+    g = torch.Generator().manual_seed(d)
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g) * 3
+    qkv[:, h * d:(h + kvh) * d:7] *= 20                      # a few large key channels
+    ang = torch.rand(t, d // 2, generator=g) * 6.28
+    cos, sin = torch.cos(ang).repeat(1, 2), torch.sin(ang).repeat(1, 2)
+    slots = torch.randperm(t + 4, generator=g)[:t]
+    ref32 = torch.zeros(t + 4, 2, kvh, d)
+    q32 = cpu_kernels.rope_write_kv(qkv, cos, sin, slots, ref32, h)
+    cache = torch.zeros(1, t + 4, 2, kvh, d, dtype=dtype)
+    kv_quant.register(cache)
+    kv_quant.set_scales(cache, [0.5], [2.0])
+    assert kv_quant.spreads(cache[0]) and not kv_quant.spreads(ref32)
+    q = cpu_kernels.rope_write_kv(qkv, cos, sin, slots, cache[0], h)
+    k_spread = kv_quant.spread(ref32[slots, 0])
+    assert torch.equal(q, kv_quant.spread(q32))
+    got = cache[0].view(torch.uint8)[slots]
+    assert torch.equal(got[:, 0], torch_cast(k_spread, 0.5, dtype))
+    assert torch.equal(got[:, 1], torch_cast(ref32[slots, 1], 2.0, dtype))
+    k32 = ref32[slots, 0]                                    # [t, KVH, D]
+    scores32 = torch.einsum("thd,skd->thsk", q32.double(), k32.double())
+    scores = torch.einsum("thd,skd->thsk", q.double(), k_spread.double())
+    assert float((scores - scores32).abs().max()) < 1e-4 * float(scores32.abs().max())
+    torch.testing.assert_close(k_spread.norm(dim=-1), k32.norm(dim=-1), rtol=1e-5, atol=1e-5)
+    cos_sim = torch.nn.functional.cosine_similarity
+    torch.testing.assert_close(cos_sim(k_spread[:-1], k_spread[1:], dim=-1),
+                               cos_sim(k32[:-1], k32[1:], dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_spread_is_the_signed_hadamard_rotation():
+    """spread() against H S x built in float64: signs from the documented hash, H Sylvester's
+    Hadamard / sqrt(B), per block of B = D & -D; x in bf16 comes back in bf16."""
+    def hadamard(n):
+        m = torch.ones(1, 1, dtype=torch.float64)
+        while m.shape[0] < n:
+            m = torch.cat([torch.cat([m, m], 1), torch.cat([m, -m], 1)], 0)
+        return m / n ** 0.5
+
+    for d, b in ((64, 64), (96, 32), (80, 16)):
+        x = torch.randn(7, 3, d, dtype=torch.float64)
+        signs = []
+        for i in range(d):
+            u = i + 1
+            u ^= u >> 16
+            u = (u * 0x85EBCA6B) & 0xFFFFFFFF
+            u ^= u >> 13
+            u = (u * 0xC2B2AE35) & 0xFFFFFFFF
+            u ^= u >> 16
+            signs.append(-1.0 if u & 1 else 1.0)
+        sx = (x * torch.tensor(signs, dtype=torch.float64)).view(7, 3, d // b, b)
+        ref = (sx @ hadamard(b)).view(7, 3, d)
+        torch.testing.assert_close(kv_quant.spread(x.float()).double(), ref, rtol=0, atol=1e-5)
+    assert kv_quant.spread(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
 def finite_codes(dtype) -> torch.Tensor:
@@ -337,14 +400,15 @@ def test_pool_holds_more_blocks_in_the_same_bytes(tiny_llama, kv_dtype, elem):
 
 @pytest.mark.parametrize("kv_dtype,calculate", [("fp8", False), ("fp8", True)])
 def test_fp8_greedy_tokens_close_to_fp32(tiny_llama, kv_dtype, calculate):
-    """Tolerance: the first greedy token equals the float32 cache's on at least 6 of 8 prompts
-    (measured: 8 of 8). Longer runs diverge early on the tiny random model: its next-token
-    distributions are nearly flat (entropy ~5.1 nats of ln 512 = 6.2), so any perturbation of
-    K/V flips near-ties; test_fp8_logits_close_to_fp32 bounds the difference itself."""
-    ps = random_prompts(8, seed=3, lo=20, hi=80)
+    """Tolerance: the first greedy token equals the float32 cache's on at least 16 of 24 prompts
+    (measured, prompt seeds 3 / 4: 21-22 / 17-20 of 24, keys spread or not). Longer runs diverge
+    early on the tiny random model: its next-token distributions are nearly flat (entropy ~5.1
+    nats of ln 512 = 6.2), so any perturbation of K/V flips near-ties;
+    test_fp8_logits_close_to_fp32 bounds the difference itself."""
+    ps = random_prompts(24, seed=3, lo=20, hi=80)
     _, ref, _ = generate(tiny_llama, ps)
     llm, got, _ = generate(tiny_llama, ps, kv_cache_dtype=kv_dtype, calculate_kv_scales=calculate)
-    assert sum(a[0] == b[0] for a, b in zip(got, ref)) >= 6, (got, ref)
+    assert sum(a[0] == b[0] for a, b in zip(got, ref)) >= 16, (got, ref)
     if calculate:
         s = kv_quant.scales_of(llm.llm_engine.kv_caches)
         assert (s != 1.0).all() and torch.isfinite(s).all()

@@ -156,7 +156,7 @@ def library(isa: str, source: Optional[Path] = None) -> Optional[ctypes.CDLL]:
     lib.vtok_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     lib.vtok_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.vtok_rope_write_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
-                                       _ptr, _int, _f32, _f32]
+                                       _ptr, _int, _f32, _f32, _int]
     layer = ctypes.POINTER(LayerWeights)
     lib.vtok_decode_layer_scratch.argtypes = [layer, _i64, _i64]
     lib.vtok_decode_layer_scratch.restype = _i64
@@ -301,27 +301,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
-                  num_heads: int) -> torch.Tensor:
+                  num_heads: int, spread: Optional[bool] = None) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) D] -> rotated q [T, H, D]; rotated k and v written to kv_cache
     [S, 2, KVH, D] at slot_mapping [T] (int64). cos, sin [T, D] at each token's position.
     An fp8 cache stores them quantized with its layer's scales (set first from this write's
-    rotated K and V where --calculate-kv-scales has not calibrated the layer yet)."""
+    rotated K and V where --calculate-kv-scales has not calibrated the layer yet). spread
+    (default: the cache is fp8, kv_quant.spreads()): q and k also through kv_quant.spread()."""
     t = qkv.shape[0]
     kvh, d = kv_cache.shape[2], kv_cache.shape[3]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     assert qkv.shape[1] == (num_heads + 2 * kvh) * d and kv_cache.is_contiguous()
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
     fmt = kv_quant.FORMAT_CODES[kv_cache.dtype]
+    spread = kv_quant.spreads(kv_cache) if spread is None else spread
     if kv_quant.needs_calibration(kv_cache):
         k = qkv[:, num_heads * d:(num_heads + kvh) * d].view(t, kvh, d)
         k1, k2 = k.chunk(2, dim=-1)
         k = k * cos[:, None] + torch.cat((-k2, k1), dim=-1) * sin[:, None]
-        kv_quant.calibrate(kv_cache, k, qkv[:, (num_heads + kvh) * d:], slot_mapping)
+        kv_quant.calibrate(kv_cache, kv_quant.spread(k) if spread else k,
+                           qkv[:, (num_heads + kvh) * d:], slot_mapping)
     k_scale, v_scale = kv_quant.layer_scales(kv_cache)
     q = torch.empty(t, num_heads, d, dtype=torch.float32)
     _library().vtok_rope_write_kv(qkv.data_ptr(), t, num_heads, kvh, d, cos.data_ptr(),
                                   sin.data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(),
-                                  q.data_ptr(), fmt, k_scale, v_scale)
+                                  q.data_ptr(), fmt, k_scale, v_scale, int(spread))
     return q
 
 

@@ -771,17 +771,48 @@ void vtok_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
   }
 }
 
+/* ---- key spreading (an fp8 cache's keys, vllm/attention/kv_quant.py spread()) ----------------
+   x <- H S x over each block of B = D & -D values (the largest power of two dividing D): S flips
+   the signs of fixed channels, H is the B x B Walsh-Hadamard matrix / sqrt(B) (H S orthogonal).
+   Butterflies in the order kv_quant.spread() takes them, so both give the same floats. B = 4,
+   x = [1, 2, 3, 4], no flips: len 1 -> [3, -1, 7, -1]; len 2 -> [10, -2, -4, 0]; * 1/2 ->
+   [5, -1, -2, 0] (norm 5.48 = |x|). */
+static inline int spread_flips(int64_t i) {        /* murmur3's finalizer of i + 1, low bit */
+  uint32_t x = (uint32_t)i + 1u;
+  x ^= x >> 16; x *= 0x85ebca6bu; x ^= x >> 13; x *= 0xc2b2ae35u; x ^= x >> 16;
+  return x & 1u;
+}
+
+static void spread_head(float *x, int64_t D, const float *sign) {
+  const int64_t B = D & -D;
+  const float norm = (float)(1.0 / sqrt((double)B));
+  for (int64_t i = 0; i < D; i++) x[i] *= sign[i];
+  for (int64_t b = 0; b < D; b += B)
+    for (int64_t len = 1; len < B; len <<= 1)
+      for (int64_t i = b; i < b + B; i += 2 * len)
+        for (int64_t j = i; j < i + len; j++) {
+          const float lo = x[j], hi = x[j + len];
+          x[j] = lo + hi;
+          x[j + len] = lo - hi;
+        }
+  for (int64_t i = 0; i < D; i++) x[i] *= norm;
+}
+
 /* Rotary embedding of this step's q and k, and the K/V cache write, in one pass:
    qkv [T, (H + 2 KVH) D] rows = [q heads | k heads | v heads]; cos, sin [T, D] for each token's
    position; x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]];
    q_out [T, H, D]; kv [S, 2, KVH, D] gets rotated k and v at slot_mapping[t] (negative: none),
-   in format fmt (fp8: stored = x * (1 / scale), K and V each with its own scale). */
+   in format fmt (fp8: stored = x * (1 / scale), K and V each with its own scale). spread: q and
+   k heads also go through spread_head after the rotary embedding (q.k unchanged). */
 void vtok_rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t KVH, int64_t D,
                         const float *cos, const float *sin, const int64_t *slot_mapping,
-                        void *kv, float *q_out, int fmt, float k_scale, float v_scale) {
+                        void *kv, float *q_out, int fmt, float k_scale, float v_scale,
+                        int spread) {
   const int64_t half = D / 2, width = (H + 2 * KVH) * D;
   const int64_t es = KV_BYTES(fmt);
   const float inv_k = inverse(k_scale), inv_v = inverse(v_scale);
+  float sign[D];
+  for (int64_t i = 0; i < D; i++) sign[i] = spread_flips(i) ? -1.f : 1.f;
 #pragma omp parallel for schedule(static) if (T > 64)
   for (int64_t t = 0; t < T; t++) {
     const float *row = qkv + t * width, *c = cos + t * D, *s = sin + t * D;
@@ -799,6 +830,7 @@ void vtok_rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t KVH, int
         dst[i] = lo;
         dst[i + half] = hi;
       }
+      if (spread) spread_head(dst, D, sign);
       if (dst == rotated) kv_store_row(rotated, k_dst + (h - H) * D * es, D, inv_k, fmt);
     }
     if (k_dst) kv_store_row(row + (H + KVH) * D, k_dst + KVH * D * es, KVH * D, inv_v, fmt);
@@ -865,7 +897,8 @@ int vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos
   float *gate_up = attn + M * HD, *act = gate_up + M * 2 * I, *probs = act + M * I;
   vtok_rms_norm(x, M, E, L->ln1, L->eps, h);
   if (layer_gemm(L, h, M, E, L->qkv, L->qkv_q, QKV, L->qkv_bias, NULL, qkv, prefetch)) return -1;
-  vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q, fmt, k_scale, v_scale);
+  vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q, fmt, k_scale, v_scale,
+                     fmt == KV_E4M3 || fmt == KV_E5M2);
   vtok_decode_attention(q, kv, views, ld_views, lens, M, H, KVH, D, L->scale, probs, lmax, attn,
                         mass, ld_mass, fmt, k_scale, v_scale);
   if (layer_gemm(L, attn, M, HD, L->o, L->o_q, E, L->o_bias, x, x, prefetch)) return -1;

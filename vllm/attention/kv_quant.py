@@ -18,6 +18,16 @@ finite value; readers dequantize (stored * scale). Each layer has one scale for 
 engine's first prefill batch): scale = amax / (max finite / 2), headroom for later tokens up to
 twice the first batch's largest magnitude (larger ones saturate).
 
+An fp8 pool stores keys spread (spread()): after the rotary embedding each key head, and each
+query head that attention scores against it, becomes H S x, with S fixed sign flips and H the
+Walsh-Hadamard matrix / sqrt(B) over blocks of B = D & -D channels (the largest power of two
+dividing the head dim). H S is orthogonal, so q.k, key norms and cosines between keys (what
+attention and every policy's statistics read) are unchanged, while the few channels where a
+post-RoPE key is large spread over all B: an fp8 element's error is relative to its own
+magnitude, and spreading spares the small channels the large ones' error on the scores. On the
+default model, 4 essay windows of 2,048 tokens, e4m3 at scale 1: perplexity +1.10% over float32
+KV stored as computed, +0.40% spread (KL 0.012 -> 0.005). Values are stored as computed.
+
 The scales travel with the cache tensor: register() files them under the cache's storage, and
 any view of that cache (one layer's [S, 2, KVH, D], the whole [L, S, 2, KVH, D]) finds its
 layers' scales with layer_scales() / scales_of(). An fp8 tensor nobody registered (tests) reads
@@ -128,6 +138,51 @@ def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     if scale != 1.0:
         y = y * inverse(scale)
     return y.clamp(-m, m).to(dtype)
+
+
+def spreads(kv_cache: torch.Tensor) -> bool:
+    """Whether this cache holds spread keys (queries against it are spread too)."""
+    return is_fp8(kv_cache)
+
+
+_FLIPS: Dict[Tuple[int, str], torch.Tensor] = {}
+
+
+def _flips(d: int, device: torch.device) -> torch.Tensor:
+    """float32 [d] of +-1: -1 where the low bit of murmur3's 32-bit finalizer of i + 1 is set
+    (csrc spread_flips). Device-side integer ops: no host copy, so a CUDA graph may capture the
+    first call."""
+    key = (d, str(device))
+    if key not in _FLIPS:
+        m = 0xFFFFFFFF
+        x = torch.arange(1, d + 1, dtype=torch.int64, device=device)
+        x = x ^ (x >> 16)
+        x = (x * 0x85EBCA6B) & m
+        x = x ^ (x >> 13)
+        x = (x * 0xC2B2AE35) & m
+        x = x ^ (x >> 16)
+        _FLIPS[key] = 1.0 - 2.0 * (x & 1).to(torch.float32)
+    return _FLIPS[key]
+
+
+def spread(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> H S x per head (module docstring), computed in float32 and returned in x's
+    dtype. The butterflies run in csrc spread_head's order, so the C and torch paths store the
+    same floats. B = 4, x = [1, 2, 3, 4], no flips: stage 1 pairs (0, 1), (2, 3) -> [3, -1, 7,
+    -1]; stage 2 pairs (0, 2), (1, 3) -> [10, -2, -4, 0]; / 2 -> [5, -1, -2, 0]."""
+    d = x.shape[-1]
+    b = d & -d
+    y = x.float() * _flips(d, x.device)
+    rows = y.numel() // b
+    y = y.reshape(rows, b)
+    length = 1
+    while length < b:
+        pairs = y.view(rows, b // (2 * length), 2, length)
+        lo, hi = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((lo + hi, lo - hi), dim=2).view(rows, b)
+        length *= 2
+    norm = float(np.float32(1.0 / np.sqrt(b)))
+    return (y * norm).view(x.shape).to(x.dtype)
 
 
 def dequantize(x: torch.Tensor, scale) -> torch.Tensor:

@@ -32,6 +32,7 @@ from torch import nn
 
 from vllm import _custom_ops as ops
 from vllm import cpu_kernel_plan, cpu_kernels, quant_kernels
+from vllm.attention import kv_quant
 from vllm.attention.backend import AttentionMetadata, paged_attention, write_kv
 from vllm.cpu_kernel_plan import KernelPlan, band
 from vllm.distributed.tp_group import TPGroup
@@ -254,6 +255,8 @@ class DecoderLayer(nn.Module):
             qk = rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim),
                         cos[:, None], sin[:, None])
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            if kv_quant.spreads(kv_cache):       # an fp8 cache's keys, and queries to match
+                q, k = kv_quant.spread(q), kv_quant.spread(k)
             v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
             write_kv(kv_cache, meta.slot_mapping, k, v)
         decode_path = self.plan.attention_path(meta.num_decodes) if self.plan else None
