@@ -159,6 +159,8 @@ def test_spread_is_the_signed_hadamard_rotation():
         sx = (x * torch.tensor(signs, dtype=torch.float64)).view(7, 3, d // b, b)
         ref = (sx @ hadamard(b)).view(7, 3, d)
         torch.testing.assert_close(kv_quant.spread(x.float()).double(), ref, rtol=0, atol=1e-5)
+        matrix = kv_quant.spread_butterflies(torch.eye(d))     # CUDA's form: x @ M
+        torch.testing.assert_close((x.float() @ matrix).double(), ref, rtol=0, atol=1e-5)
     assert kv_quant.spread(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 

@@ -165,11 +165,27 @@ def _flips(d: int, device: torch.device) -> torch.Tensor:
     return _FLIPS[key]
 
 
+_SPREAD_MATRICES: Dict[Tuple[int, str], torch.Tensor] = {}
+
+
 def spread(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> H S x per head (module docstring), computed in float32 and returned in x's
-    dtype. The butterflies run in csrc spread_head's order, so the C and torch paths store the
-    same floats. B = 4, x = [1, 2, 3, 4], no flips: stage 1 pairs (0, 1), (2, 3) -> [3, -1, 7,
-    -1]; stage 2 pairs (0, 2), (1, 3) -> [10, -2, -4, 0]; / 2 -> [5, -1, -2, 0]."""
+    dtype. On CPU the butterflies run in csrc spread_head's order, so the C and torch paths
+    store the same floats; on CUDA (no C writer) one float32 GEMM against the same map's matrix
+    (the butterflies' ~20 small kernels would cost more than the GEMM in an eager step)."""
+    if x.is_cuda:
+        key = (x.shape[-1], str(x.device))
+        if key not in _SPREAD_MATRICES:       # row i = spread(e_i), so x @ M = spread(x)
+            eye = torch.eye(x.shape[-1], dtype=torch.float32, device=x.device)
+            _SPREAD_MATRICES[key] = spread_butterflies(eye)
+        return (x.float() @ _SPREAD_MATRICES[key]).to(x.dtype)
+    return spread_butterflies(x)
+
+
+def spread_butterflies(x: torch.Tensor) -> torch.Tensor:
+    """spread() by butterflies, in float32. B = 4, x = [1, 2, 3, 4], no flips: stage 1 pairs
+    (0, 1), (2, 3) -> [3, -1, 7, -1]; stage 2 pairs (0, 2), (1, 3) -> [10, -2, -4, 0]; / 2 ->
+    [5, -1, -2, 0]."""
     d = x.shape[-1]
     b = d & -d
     y = x.float() * _flips(d, x.device)
