@@ -3,7 +3,9 @@ default model's shape (SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads
 49,152-token head) with seeded dummy weights, `batch` rows of `context` cached tokens each, one
 decode step = the model forward (the plan's path: fused C decode layers or per op) + logits.
 The caches take turns step by step, so a drift of the shared host moves all alike; the figure is
-median tok/s = batch / step time. Prints a table; writes benchmarks/results/benchmark_kv_dtype
+median tok/s = batch / step time. Caches sit on transparent huge pages as the engine's pool does
+(vllm/huge_pages.py); `--pages 4k huge` runs each dtype both ways ("float32 4k", ...), the first
+entry the baseline. Prints a table; writes benchmarks/results/benchmark_kv_dtype
 .json and .png (tok/s relative to float32 per batch).
 
     python benchmarks/benchmark_kv_dtype.py --threads 2 --batch 1 16 32 --context 1024
@@ -16,6 +18,7 @@ import torch
 from transformers import LlamaConfig
 
 import common
+from vllm import huge_pages
 from vllm.attention import kv_quant
 from vllm.attention.backend import AttentionMetadata
 from vllm.model_executor.model_loader import get_model
@@ -26,8 +29,14 @@ DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                      tie_word_embeddings=True, head_dim=64)
 
 
-def step_times(model, cfg, b: int, n: int, dtypes, steps: int):
-    """{dtype: [seconds per decode step]} for b rows of n cached tokens, dtypes taking turns."""
+def cache_names(dtypes, pages) -> list:
+    """["float32", ...] for one page kind; ["float32 4k", "float32 huge", ...] for several."""
+    return [d if len(pages) == 1 else f"{d} {p}" for d in dtypes for p in pages]
+
+
+def step_times(model, cfg, b: int, n: int, dtypes, steps: int, pages=("huge",)):
+    """{cache name: [seconds per decode step]} for b rows of n cached tokens, caches taking
+    turns."""
     slots = n * b + b
     g = torch.Generator().manual_seed(0)
     views = torch.randperm(n * b, generator=g).view(b, n)      # scattered, as after eviction
@@ -35,9 +44,13 @@ def step_times(model, cfg, b: int, n: int, dtypes, steps: int):
         slot_mapping=torch.arange(n * b, n * b + b), num_decodes=b, decode_views=views,
         decode_lens=torch.full((b,), n), decode_mass=torch.zeros(b, n))
     caches = {}
-    for name in dtypes:
-        dtype = kv_quant.cache_dtype(name, torch.float32)
-        kv = (torch.randn(cfg.num_hidden_layers, slots, 2, 3, 64, generator=g) * 2).to(dtype)
+    for name, (dtype_name, page) in zip(cache_names(dtypes, pages),
+                                        [(d, p) for d in dtypes for p in pages]):
+        dtype = kv_quant.cache_dtype(dtype_name, torch.float32)
+        shape = (cfg.num_hidden_layers, slots, 2, 3, 64)
+        kv = huge_pages.zeros(shape, dtype) if page == "huge" else torch.zeros(shape, dtype=dtype)
+        kv.view(torch.uint8).copy_(
+            (torch.randn(shape, generator=g) * 2).to(dtype).view(torch.uint8))
         if kv_quant.is_fp8(kv):
             kv_quant.register(kv)
         caches[name] = kv
@@ -79,14 +92,17 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--pages", nargs="+", default=["huge"], choices=["huge", "4k"],
+                    help="the caches' pages: huge (as the engine's pool) and/or 4k")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg = LlamaConfig(**DEFAULT_SHAPE)
     model = get_model("", cfg, "float32", 4096, "dummy", 0, torch.device("cpu"))
     rows = []
     for b in a.batch:
-        times, nbytes = step_times(model, cfg, b, a.context, a.dtypes, a.steps)
-        base = statistics.median(times[a.dtypes[0]])
+        times, nbytes = step_times(model, cfg, b, a.context, a.dtypes, a.steps, a.pages)
+        base_name = cache_names(a.dtypes, a.pages)[0]
+        base = statistics.median(times[base_name])
         path = "fused C layers" if model.plan and model.plan.use_decode_layer(b) else "per op"
         for name, ts in times.items():
             med = statistics.median(ts)
@@ -96,9 +112,9 @@ def main():
                          "steps_ms": [t * 1e3 for t in ts]})
     common.table(rows, ["batch", "kv_dtype", "tok_s", "ms_step", "x_base", "kv_mib", "path"],
                  f"# {common.machine()}\ndecode, {a.context}-token contexts, {a.threads} threads "
-                 f"(x_base: tok/s relative to {a.dtypes[0]})")
+                 f"(x_base: tok/s relative to {base_name})")
     common.save("benchmark_kv_dtype", {"rows": rows, "args": vars(a)},
-                ratio_plot(rows, a.dtypes[0]))
+                ratio_plot(rows, base_name))
 
 
 if __name__ == "__main__":

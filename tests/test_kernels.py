@@ -14,7 +14,8 @@ if not torch.cuda.is_available():   # before any triton kernel module is importe
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm import cpu_kernels  # noqa: E402
 from vllm.attention import triton_decode, triton_relocate  # noqa: E402
-from vllm.weight_arena import HUGE_PAGE, WeightArena  # noqa: E402
+from vllm.huge_pages import HUGE_PAGE  # noqa: E402
+from vllm.weight_arena import WeightArena  # noqa: E402
 from tests.kernel_refs import (decode_reference, install_fake_xformers, moves,  # noqa: E402
                                paged_scene, prefill_reference, rel_err)
 

@@ -216,6 +216,7 @@ class _Scales:
     calculate: bool
     table: torch.Tensor                   # [L, 4] on the cache's device (module docstring)
     calibrated: List[bool] = field(default_factory=list)
+    base: int = 0                         # layer 0's offset in the storage (elements)
 
     def set(self, i: int, k: float, v: float) -> None:
         """Layer i's scales, as float32 values, on the host and in the device table (in place:
@@ -263,14 +264,15 @@ def register(kv_caches: torch.Tensor, calculate: bool = False) -> None:
     key = _key(kv_caches)
     table = torch.ones(layers, 4, dtype=torch.float32, device=kv_caches.device)
     _REGISTRY[key] = _Scales([1.0] * layers, [1.0] * layers, calculate, table,
-                             [not calculate] * layers)
+                             [not calculate] * layers, kv_caches.storage_offset())
     weakref.finalize(kv_caches, _REGISTRY.pop, key, None)
 
 
-def _layer_of(kv_cache: torch.Tensor) -> int:
-    """Which layer a [..., S, 2, KVH, D] view starts at, from its offset in the storage."""
+def _layer_of(kv_cache: torch.Tensor, s: _Scales) -> int:
+    """Which layer a [..., S, 2, KVH, D] view starts at, from its offset in the storage past the
+    registered cache's own (a pool on huge pages starts part way into its mapping)."""
     per_layer = kv_cache.shape[-4] * kv_cache.shape[-3] * kv_cache.shape[-2] * kv_cache.shape[-1]
-    return kv_cache.storage_offset() // max(per_layer, 1)
+    return (kv_cache.storage_offset() - s.base) // max(per_layer, 1)
 
 
 def layer_scales(kv_cache: torch.Tensor) -> Tuple[float, float]:
@@ -280,7 +282,7 @@ def layer_scales(kv_cache: torch.Tensor) -> Tuple[float, float]:
     s = _REGISTRY.get(_key(kv_cache))
     if s is None:
         return 1.0, 1.0
-    i = _layer_of(kv_cache)
+    i = _layer_of(kv_cache, s)
     return s.k[i], s.v[i]
 
 
@@ -292,7 +294,7 @@ def scale_row(kv_cache: torch.Tensor) -> torch.Tensor:
     s = _REGISTRY.get(_key(kv_cache))
     if s is None:
         return torch.ones(4, dtype=torch.float32, device=kv_cache.device)
-    return s.table[_layer_of(kv_cache)]
+    return s.table[_layer_of(kv_cache, s)]
 
 
 def scales_of(kv_caches: torch.Tensor) -> torch.Tensor:
@@ -301,7 +303,7 @@ def scales_of(kv_caches: torch.Tensor) -> torch.Tensor:
     s = _REGISTRY.get(_key(kv_caches)) if is_fp8(kv_caches) else None
     if s is None:
         return torch.ones(n, 2)
-    i = _layer_of(kv_caches)
+    i = _layer_of(kv_caches, s)
     return torch.tensor([s.k[i:i + n], s.v[i:i + n]], dtype=torch.float32).t().contiguous()
 
 
@@ -309,7 +311,7 @@ def needs_calibration(kv_cache: torch.Tensor) -> bool:
     if not is_fp8(kv_cache):
         return False
     s = _REGISTRY.get(_key(kv_cache))
-    return s is not None and not s.calibrated[_layer_of(kv_cache)]
+    return s is not None and not s.calibrated[_layer_of(kv_cache, s)]
 
 
 def calibrate_if_needed(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -337,7 +339,7 @@ def calibrate(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for x in (k, v):
         amax = float(x.abs().max())
         scales.append(amax / half if 0 < amax < float("inf") else 1.0)
-    i = _layer_of(kv_cache)
+    i = _layer_of(kv_cache, s)
     s.set(i, *scales)
     s.calibrated[i] = True
 

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Set
 import numpy as np
 import torch
 
+from vllm import huge_pages
 from vllm.attention import kv_quant
 from vllm.config import VllmConfig
 from vllm.distributed.tp_group import TPGroup
@@ -163,7 +164,8 @@ class Worker:
         cfg, block_size = self.model.config, c.cache_config.block_size
         shape = (1, num_blocks * block_size, 2, 1, 1) if self.simulated else \
             (cfg.num_hidden_layers, num_blocks * block_size, 2, self.num_kv_heads, cfg.head_dim)
-        self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = huge_pages.zeros(shape, self.kv_dtype) if self.device.type == "cpu" \
+            else torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         if kv_quant.is_fp8(self.kv_caches):
             kv_quant.register(self.kv_caches, c.cache_config.calculate_kv_scales)
         sc = c.scheduler_config
