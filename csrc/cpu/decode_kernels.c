@@ -48,7 +48,8 @@
 #define PANEL VEC             /* output columns per packed panel: one vector */
 #define TILE (ROWS > PAIR_ROWS ? ROWS : PAIR_ROWS)   /* most rows of any pass */
 #define AV_VECS 4
-#define PREFETCH_KEYS 64      /* attention: keys ahead whose K / V rows are prefetched */
+#define PREFETCH_KEYS 64      /* attention: keys ahead whose K / V rows are prefetched into L2 */
+#define L1_AHEAD_VALUES 16    /* attention values: keys ahead whose V rows are fetched into L1 */
 #define PREFETCH_PASSES 8     /* at most this many passes over panels: prefetch the next */
 
 typedef float vec __attribute__((vector_size(4 * VEC)));
@@ -552,17 +553,25 @@ static void softmax(float *p, int64_t n) {
   for (int64_t j = 0; j < n16; j += VEC) store(p + j, load(p + j) * inv);
 }
 
-/* The cache lines of floats p[0:count] into L2: a key's K or V row is a few lines at a stride of
-   a whole slot (K and V of every KV head), which the hardware prefetchers do not follow. The
-   weights stream through the caches between layers, so K / V come from memory every step; 64
-   keys ahead into L2 rather than 16 into L1 keeps more of those misses in flight: the decode
-   step at 1,024 keys took 0.91x the time on the AMD EPYC Zen 4 host (both builds, one row) and
-   0.81x at 16 rows of 512 keys (avx512), with no change at 192 keys. An fp8 key's K and V are one
-   line each, prefetched together ahead of the scores: V then waits in L2 (64 KB for 1,024 keys)
-   for the values' passes, which prefetch nothing (fp8 attention 1.05-1.17x faster on the AMD
-   host, batch 32 x 1,024 keys, one thread). */
-static inline void prefetch_row(const char *p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
+/* Prefetching K / V rows in attention. A key's K or V row is a few lines at a stride of a whole
+   slot (K and V of every KV head), which the hardware prefetchers do not follow, and the weights
+   stream through the caches between layers, so K / V come from memory every step. Two distances:
+   - into L2, PREFETCH_KEYS ahead, in the scores pass: the K rows, and for bf16 / fp8 the V rows
+     too (an fp8 row is one line), so many misses are in flight. Against 16 keys into L1, the
+     float32 decode step at 1,024 keys took 0.91x the time on the AMD EPYC Zen 4 host (one row)
+     and 0.81x at 16 rows of 512 keys; fp8 V with K: attention 1.05-1.17x faster.
+   - into L1, the next block's K rows and the V rows L1_AHEAD_VALUES keys ahead: with L2 alone
+     (Zen 4 fills only L2 on prefetcht1) the loads still waited on L2, perf put 24% of fp8
+     attention's cycles on a block's first key load and 44% on a V row's first load. Attention
+     alone on the Zen 4 host, 2 threads, huge pages, 30 layers, took (vs L2 alone): at batch 32 x
+     1,024 scattered keys, fp8_e4m3 0.52x the time on the avx512 build, 0.63x on avx2, 0.61x on
+     generic, bf16 0.87-0.98x, float32 0.87-0.98x (near the host's bandwidth already); at 16 x
+     512, fp8 0.49x and float32 0.74x; at one row of 1,024, fp8 0.69x and float32 0.72x. */
+static inline __attribute__((always_inline)) void prefetch_row(const char *p, int64_t bytes,
+                                                               const int into_l1) {
+  for (int64_t i = 0; i < bytes; i += 64)
+    if (into_l1) __builtin_prefetch(p + i, 0, 3);
+    else __builtin_prefetch(p + i, 0, 2);
 }
 
 /* out[g][0:vecs vectors] = sum_j p[g][j] * v_j[0:vecs vectors] for g < heads, heads x vecs <=
@@ -577,8 +586,8 @@ static inline __attribute__((always_inline)) void weigh_values(
   for (int g = 0; g < heads; g++)
     for (int v = 0; v < vecs; v++) acc[g][v] = splat(0.f);
   for (int64_t j = 0; j < n; j++) {
-    if (fmt == KV_F32 && j + PREFETCH_KEYS < n && slot_row[j + PREFETCH_KEYS] >= 0)
-      prefetch_row(kv + (slot_row[j + PREFETCH_KEYS] * row + offset) * es, vecs * VEC * es);
+    if (j + L1_AHEAD_VALUES < n && slot_row[j + L1_AHEAD_VALUES] >= 0)
+      prefetch_row(kv + (slot_row[j + L1_AHEAD_VALUES] * row + offset) * es, vecs * VEC * es, 1);
     if (slot_row[j] < 0) continue;
     const char *val = kv + (slot_row[j] * row + offset) * es;
     vec vv[AV_VECS];
@@ -613,9 +622,11 @@ static inline __attribute__((always_inline)) void attend_group(
     int block = n - j0 < VEC ? (int)(n - j0) : VEC;
     for (int64_t j = j0 + PREFETCH_KEYS; j < j0 + PREFETCH_KEYS + VEC && j < n; j++)
       if (slot_row[j] >= 0) {
-        prefetch_row(kv + (slot_row[j] * row + kh * D) * es, D * es);
-        if (fmt != KV_F32) prefetch_row(kv + (slot_row[j] * row + (KVH + kh) * D) * es, D * es);
+        prefetch_row(kv + (slot_row[j] * row + kh * D) * es, D * es, 0);
+        if (fmt != KV_F32) prefetch_row(kv + (slot_row[j] * row + (KVH + kh) * D) * es, D * es, 0);
       }
+    for (int64_t j = j0 + VEC; j < j0 + 2 * VEC && j < n; j++)       /* the next block's keys */
+      if (slot_row[j] >= 0) prefetch_row(kv + (slot_row[j] * row + kh * D) * es, D * es, 1);
     const char *key[VEC];
     for (int j = 0; j < VEC; j++) {  /* padding and lanes past the block read slot 0: unused */
       int64_t slot = j < block ? slot_row[j0 + j] : 0;
