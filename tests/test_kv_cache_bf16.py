@@ -92,8 +92,11 @@ def bf16_scene(lens, kvh, d, seed):
     return cache, cache.float(), slots, lens_t
 
 
+HEAD_SHAPES = [(4, 2, 16), (9, 3, 64), (14, 2, 128), (2, 2, 16), (5, 1, 32)]  # G = 2 3 7 1 5
+
+
 @cpu_built
-@pytest.mark.parametrize("h,kvh,d", [(4, 2, 16), (9, 3, 64), (14, 2, 128)])
+@pytest.mark.parametrize("h,kvh,d", HEAD_SHAPES)
 def test_c_decode_over_bf16_matches_float64_reference(isa, h, kvh, d):
     lens = [5, 37, 1, 90, 0]
     cache, vals, slots, lens_t = bf16_scene(lens, kvh, d, h + d)
@@ -104,6 +107,20 @@ def test_c_decode_over_bf16_matches_float64_reference(isa, h, kvh, d):
     assert rel_err(out, ref_out) < 1e-5
     assert rel_err(mass - 1, ref_mass) < 1e-5
     assert torch.equal(out[4], torch.zeros(h, d))
+
+
+@cpu_built
+@pytest.mark.parametrize("h,kvh,d", HEAD_SHAPES)
+def test_c_decode_over_bf16_equals_float32_cache_of_the_same_values(isa, h, kvh, d):
+    """Widening is exact and bf16 keys are scored up to 3 query heads at a time with the float32
+    path's sums in its order, so outputs and probability mass are the float32 cache's to the bit."""
+    lens = [5, 37, 1, 90, 0, 16]
+    cache, vals, slots, lens_t = bf16_scene(lens, kvh, d, h * d)
+    q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(4))
+    mass, mass32 = torch.zeros(slots.shape), torch.zeros(slots.shape)
+    out = ops.decode_attention(q, cache, slots, lens_t, 0.25, mass, backend="cpu")
+    out32 = ops.decode_attention(q, vals, slots, lens_t, 0.25, mass32, backend="cpu")
+    assert torch.equal(out, out32) and torch.equal(mass, mass32)
 
 
 @cpu_built

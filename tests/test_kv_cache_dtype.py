@@ -254,7 +254,8 @@ def fp8_scene(lens, kvh, d, seed, dtype, k_scale, v_scale, num_blocks=100):
 
 @cpu_built
 @pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("h,kvh,d", [(4, 2, 16), (9, 3, 64), (14, 2, 128)])
+@pytest.mark.parametrize("h,kvh,d", [(4, 2, 16), (9, 3, 64), (14, 2, 128), (2, 2, 16),
+                                     (5, 1, 32)])          # G = 2 3 7 1 5: score_heads' cases
 def test_c_decode_over_fp8_matches_float64_reference(isa, dtype, h, kvh, d):
     lens = [5, 37, 1, 90, 0]
     stacked, deq, slots, lens_t = fp8_scene(lens, kvh, d, h + d, dtype, 0.7, 1.9)
