@@ -620,8 +620,10 @@ static void softmax(float *p, int64_t n) {
      attention's cycles on a block's first key load and 44% on a V row's first load. Attention
      alone on the Zen 4 host, 2 threads, huge pages, 30 layers, took (vs L2 alone): at batch 32 x
      1,024 scattered keys, fp8_e4m3 0.52x the time on the avx512 build, 0.63x on avx2, 0.61x on
-     generic, bf16 0.87-0.98x, float32 0.87-0.98x (near the host's bandwidth already); at 16 x
-     512, fp8 0.49x and float32 0.74x; at one row of 1,024, fp8 0.69x and float32 0.72x. */
+     generic, bf16 0.83-0.98x, float32 0.77-0.91x (near the host's bandwidth already); at 16 x
+     512, fp8 0.49x and float32 0.74x; at one row of 1,024, fp8 0.69x and float32 0.72x.
+     float32 V rows go into L1 only: their L2 prefetch 64 keys ahead in the values pass, kept
+     beside the L1 one, took 1.09-1.31x the time of L1 alone. */
 static inline __attribute__((always_inline)) void prefetch_row(const char *p, int64_t bytes,
                                                                const int into_l1) {
   for (int64_t i = 0; i < bytes; i += 64)
