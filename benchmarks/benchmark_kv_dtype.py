@@ -29,14 +29,10 @@ DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                      tie_word_embeddings=True, head_dim=64)
 
 
-def cache_names(dtypes, pages) -> list:
-    """["float32", ...] for one page kind; ["float32 4k", "float32 huge", ...] for several."""
-    return [d if len(pages) == 1 else f"{d} {p}" for d in dtypes for p in pages]
-
-
 def step_times(model, cfg, b: int, n: int, dtypes, steps: int, pages=("huge",)):
     """{cache name: [seconds per decode step]} for b rows of n cached tokens, caches taking
-    turns."""
+    turns; names in dtypes x pages order: "float32" for one page kind, "float32 4k",
+    "float32 huge", ... for several."""
     slots = n * b + b
     g = torch.Generator().manual_seed(0)
     views = torch.randperm(n * b, generator=g).view(b, n)      # scattered, as after eviction
@@ -44,8 +40,8 @@ def step_times(model, cfg, b: int, n: int, dtypes, steps: int, pages=("huge",)):
         slot_mapping=torch.arange(n * b, n * b + b), num_decodes=b, decode_views=views,
         decode_lens=torch.full((b,), n), decode_mass=torch.zeros(b, n))
     caches = {}
-    for name, (dtype_name, page) in zip(cache_names(dtypes, pages),
-                                        [(d, p) for d in dtypes for p in pages]):
+    for dtype_name, page in [(d, p) for d in dtypes for p in pages]:
+        name = dtype_name if len(pages) == 1 else f"{dtype_name} {page}"
         dtype = kv_quant.cache_dtype(dtype_name, torch.float32)
         shape = (cfg.num_hidden_layers, slots, 2, 3, 64)
         kv = huge_pages.zeros(shape, dtype) if page == "huge" else torch.zeros(shape, dtype=dtype)
@@ -101,7 +97,7 @@ def main():
     rows = []
     for b in a.batch:
         times, nbytes = step_times(model, cfg, b, a.context, a.dtypes, a.steps, a.pages)
-        base_name = cache_names(a.dtypes, a.pages)[0]
+        base_name = next(iter(times))                          # the first dtype and page kind
         base = statistics.median(times[base_name])
         path = "fused C layers" if model.plan and model.plan.use_decode_layer(b) else "per op"
         for name, ts in times.items():

@@ -336,6 +336,8 @@ static inline ivec as_bits(vec f) { ivec v; memcpy(&v, &f, sizeof v); return v; 
 #define KV_BF16 3             /* --kv-cache-dtype bfloat16: the top half of each float32 */
 #define FP8_UNIT(fmt) ((fmt) == KV_E4M3 ? 256.f : 1.f)
 #define KV_BYTES(fmt) ((fmt) == KV_F32 ? 4 : (fmt) == KV_BF16 ? 2 : 1)   /* per cached value */
+#define SPREADS(fmt) ((fmt) == KV_E4M3 || (fmt) == KV_E5M2)  /* keys stored spread, as
+                                                              kv_quant.spreads() */
 /* Whether attention reads a block's keys where they lie, widening them in registers once per
    query head, or widens them once into an L1 buffer that every head reads. AVX2 (the AMD EPYC
    host, G = 3 heads per KV head, 1,024-token contexts): in place, bf16 attention went from 1.1-1.4x
@@ -985,7 +987,7 @@ int vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos
   vtok_rms_norm(x, M, E, L->ln1, L->eps, h);
   if (layer_gemm(L, h, M, E, L->qkv, L->qkv_q, QKV, L->qkv_bias, NULL, qkv, prefetch)) return -1;
   vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q, fmt, k_scale, v_scale,
-                     fmt == KV_E4M3 || fmt == KV_E5M2);
+                     SPREADS(fmt));
   vtok_decode_attention(q, kv, views, ld_views, lens, M, H, KVH, D, L->scale, probs, lmax, attn,
                         mass, ld_mass, fmt, k_scale, v_scale);
   if (layer_gemm(L, attn, M, HD, L->o, L->o_q, E, L->o_bias, x, x, prefetch)) return -1;
