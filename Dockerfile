@@ -52,7 +52,7 @@ RUN --mount=type=bind,source=.,target=/ctx \
     pip install $links -r /tmp/requirements.txt; \
     rm /tmp/requirements.txt
 
-# A C compiler: vllm/cpu_kernels.py compiles the float32 CPU decode kernels (csrc/cpu/) for the
+# A C compiler: vllm/kernels/cpu_kernels.py compiles the float32 CPU decode kernels (csrc/cpu/) for the
 # CPU the container runs on, at first use; without one the engine runs its torch path.
 RUN set -eux; \
     apt-get update; \

@@ -1,8 +1,8 @@
 """pip install --no-build-isolation -e .   (pure Python: nothing is compiled at install)
 
 Kernels are compiled on first use, for the machine that runs them, into the cache folder
-($VLLM_CACHE_ROOT, default ~/.cache/vllm): the CPU decode kernels by vllm/cpu_kernels.py (a C
-compiler), the CUDA relocation op by vllm/cuda_kernels.py (nvcc, only where torch sees a GPU).
+($VLLM_CACHE_ROOT, default ~/.cache/vllm): the CPU decode kernels by vllm/kernels/cpu_kernels.py (a C
+compiler), the CUDA relocation op by vllm/kernels/cuda_kernels.py (nvcc, only where torch sees a GPU).
 A machine without a compiler still installs and runs (torch / Triton paths).
 """
 import shutil

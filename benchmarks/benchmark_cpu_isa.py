@@ -1,5 +1,5 @@
 """Which build of the C kernels is fastest on this CPU: every variant this CPU runs (avx512,
-avx2, generic; vllm/cpu_kernels.py), each with its next-panel prefetch on and off ("_nopf"; the
+avx2, generic; vllm/kernels/cpu_kernels.py), each with its next-panel prefetch on and off ("_nopf"; the
 kernel plan picks this per batch band), on one decode step's GEMMs of the default model.
 
 A step here is every GEMM of the model in layer order (30 x QKV, O, gate_up, down, then the LM
@@ -30,7 +30,7 @@ DEFAULT_MODEL_GEMMS = ((576, 960, 30), (576, 576, 30), (576, 3072, 30), (1536, 5
 def step_calls(isa: str, weights: List[Tuple[int, int, List[torch.Tensor]]], m: int,
                prefetch: bool = True):
     """One decode step's GEMMs in layer order with `isa`'s kernels, as a callable."""
-    from vllm import cpu_kernels
+    from vllm.kernels import cpu_kernels
     lib = cpu_kernels.library(isa)
     packed = [(k, n, [cpu_kernels.pack_weight(w, isa=isa) for w in ws]) for k, n, ws in weights]
     xs = {k: torch.randn(m, k) for k, _, _ in weights}
@@ -84,7 +84,7 @@ def main():
     p.add_argument("--reps", type=int, default=None)
     args = p.parse_args()
     common.setup(args)
-    from vllm import cpu_kernels
+    from vllm.kernels import cpu_kernels
     runnable = cpu_kernels.runnable_isas()
     isas = args.isas or runnable
     bad = [isa for isa in isas if isa not in runnable]

@@ -52,7 +52,7 @@ STREAM_BYTES = 96 << 20         # copies of a weight cycled per shape: 3x this C
 def _random_blocks(qtype: int, n: int, k: int, rng) -> torch.Tensor:
     """Random block bytes with fp16 scales of 2^-10 (valid numbers; speed does not depend on
     them)."""
-    from vllm import quant_kernels as qk
+    from vllm.kernels import quant_kernels as qk
     nblk = k // qk.BLOCK_ELEMS[qtype]
     b = rng.integers(0, 256, (n, nblk, qk.BLOCK_BYTES[qtype]), dtype="uint8")
     scale = torch.tensor([2.0 ** -10], dtype=torch.float16).view(torch.uint8).numpy()
@@ -92,7 +92,7 @@ def _time_cycled(calls, repeats: int = 5) -> float:
 def gemv_main(args) -> None:
     import numpy as np
 
-    from vllm import cpu_kernels, quant_kernels as qk
+    from vllm.kernels import cpu_kernels, quant_kernels as qk
     rng = np.random.default_rng(0)
     ids = {name: t for t, name in qk.TYPE_NAMES.items()}
     rows, times = [], {}
@@ -182,7 +182,7 @@ def build_engines(formats: List[str], max_batch: int) -> Dict[str, object]:
 
 
 def decode_main(args) -> None:
-    from vllm import quant_kernels
+    from vllm.kernels import quant_kernels
     formats = ["fp32"] + [f for f in args.formats if f != "fp32"]
     engines = build_engines(formats, max(args.batches))
     runs = {(f, b): [] for f in formats for b in args.batches}

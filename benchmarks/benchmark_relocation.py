@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from vllm import _custom_ops as ops
+from vllm.kernels import ops
 
 SHAPES = {"cpu": (30, 3, 64, "float32"),      # the default model, SmolLM2-135M, on CPU
           "cuda": (32, 8, 128, "bfloat16")}   # a Llama-3.1-8B-sized cache on a GPU

@@ -143,8 +143,9 @@ def main():
         p.error("--llamacpp and --weights compare on the default model only; drop --model")
     common.setup(args)
     import transformers
-    from vllm import LLM, cpu_kernel_plan
-    from vllm import _custom_ops as ops
+    from vllm import LLM
+    from vllm.kernels import cpu_kernel_plan
+    from vllm.kernels import ops
     from vllm.model_executor.gguf_loader import resolve_model
     batches = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 32])
     model_dir = resolve_model(args.model)

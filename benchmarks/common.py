@@ -27,8 +27,8 @@ POLICIES = ("h2o", "scissorhands", "random", "streamingllm")
 
 
 def cpu_info() -> Dict[str, str]:
-    """The CPU's model name and the C kernels' instruction-set variant (vllm/cpu_kernels.py)."""
-    from vllm import cpu_kernels
+    """The CPU's model name and the C kernels' instruction-set variant (vllm/kernels/cpu_kernels.py)."""
+    from vllm.kernels import cpu_kernels
     isa = cpu_kernels.active_isa() if cpu_kernels.available() else "off (torch path)"
     return {"cpu": cpu_kernels.cpu_name(), "isa": isa, "cores": str(os.cpu_count())}
 

@@ -215,7 +215,7 @@ fg_step env 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total 
   triton.__version__, transformers.__version__, torch.cuda.get_device_name())'"
 fg_step relocate_op 45 $PY -c "
 import json, logging, sys, time; logging.basicConfig(level=logging.INFO)
-from vllm import cuda_kernels
+from vllm.kernels import cuda_kernels
 t0 = time.perf_counter(); ok = cuda_kernels.load_relocate_op(); dt = time.perf_counter() - t0
 json.dump({'backend': cuda_kernels.backend(), 'seconds': dt}, open(sys.argv[1], 'w'))
 print('relocation kernel:', cuda_kernels.backend() or 'none (relocation runs Triton)',

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the relocation kernel (relocate_kv.cu) into a plain CUDA shared library that Python loads
-# with ctypes (vllm/cuda_kernels.py), so relocation runs the CUDA kernel on a machine with no
+# with ctypes (vllm/kernels/cuda_kernels.py), so relocation runs the CUDA kernel on a machine with no
 # compiler (no nvcc, no ninja: a bare pip torch):
 #
 #   bash csrc/build_relocate_lib.sh [OUT_DIR]     # default csrc/prebuilt  (make relocate-lib)

@@ -4,7 +4,7 @@
 # Python with torch is found ($PY, else .venv/bin/python, else python3), syntax-check the torch
 # binding against torch's headers (a CPU torch works: the one generated header it lacks is
 # stubbed). Seconds to ~20 s, no GPU needed. The op itself is built at first use on a CUDA
-# machine (vllm/cuda_kernels.py), never at install.
+# machine (vllm/kernels/cuda_kernels.py), never at install.
 set -euo pipefail
 cd "$(dirname "$0")"
 out=$(mktemp -d)

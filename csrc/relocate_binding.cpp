@@ -1,6 +1,6 @@
 // Torch binding for the relocation kernel: registers torch.ops.vtoken.relocate_kv (CUDA).
 // The kernel itself (relocate_kv.cu) sees raw pointers only. Loaded as a plain shared library
-// (torch.ops.load_library; vllm/cuda_kernels.py builds it on first use), so no Python headers.
+// (torch.ops.load_library; vllm/kernels/cuda_kernels.py builds it on first use), so no Python headers.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -1,6 +1,6 @@
 // vToken KV relocation: a torch-free C ABI (the torch binding lives in relocate_binding.cpp).
 // build_relocate_lib.sh also builds relocate_kv.cu alone into a plain shared library exporting
-// exactly these functions (the CUDA runtime linked in statically), which vllm/cuda_kernels.py
+// exactly these functions (the CUDA runtime linked in statically), which vllm/kernels/cuda_kernels.py
 // loads with ctypes where no compiler exists.
 //
 // The KV cache of all layers, as bytes:

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-from vllm import cpu_kernels  # noqa: E402  (after TRITON_INTERPRET)
+from vllm.kernels import cpu_kernels  # noqa: E402  (after TRITON_INTERPRET)
 
 VOCAB = 512
 

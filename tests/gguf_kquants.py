@@ -2,7 +2,7 @@
 tiny llama GGUF written with gguf's own writer whose GEMM weights are such blocks."""
 import numpy as np
 
-from vllm.quant_kernels import BF16, BLOCK_BYTES, BLOCK_ELEMS, Q4_K, Q5_0, Q5_1, Q6_K
+from vllm.kernels.quant_kernels import BF16, BLOCK_BYTES, BLOCK_ELEMS, Q4_K, Q5_0, Q5_1, Q6_K
 
 # fp16 scale fields of the random-byte types: (byte offset, magnitude range) giving weights of
 # std ~0.05 (Q4_K: d * sc * q has std ~218 d; dmin ~7.5 d centres it)

@@ -118,7 +118,7 @@ def decode_kernel_specs(dtype: str, d: int, g: int) -> dict:
     """{name: (fn, constexprs, options)}: every decode-path kernel with the block sizes, warps
     and pipelining decode_attention picks for head_dim d, g query heads per KV head and this
     dtype."""
-    from vllm.attention import triton_decode as td
+    from vllm.kernels import triton_decode as td
     q, kv = torch_dtypes(dtype)
     cfg = td._config(g, d, kv, q)
     tile = dict(G=g, D=d, BLOCK_G=cfg.block_g, BLOCK_D=cfg.block_d)
@@ -191,7 +191,7 @@ def compile_kernels(capability: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm.attention import triton_relocate, triton_write_kv
+    from vllm.kernels import triton_relocate, triton_write_kv
     target = GPUTarget("cuda", capability, 32)
     sizes = {}
     reloc = {"kv_ptr": "*i32", "src_ptr": "*i64", "dst_ptr": "*i64", "num_layers": "i32",
@@ -226,7 +226,7 @@ def compile_write_kv_fp8(cache: str, capability: int = 90, kvh: int = 8, d: int 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm.attention import triton_write_kv
+    from vllm.kernels import triton_write_kv
     write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": f"*{cache}", "scale_ptr": "*fp32",
              "slot_ptr": "*i64",
              **{f"stride_{n}": "i32" for n in ("kt", "kh", "vt", "vh", "slot", "kv", "head")}}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm import _custom_ops as ops
+from vllm.kernels import ops
 from vllm.attention.backend import AttentionMetadata, PrefillSpan, paged_attention
 from vllm.worker.model_runner import ModelRunner
 from tests.kernel_refs import install_fake_xformers, rel_err

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import build_tiny_model, hf_greedy, random_prompts
-from vllm import LLM, SamplingParams, quant_kernels
+from vllm import LLM, SamplingParams
+from vllm.kernels import quant_kernels
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no C compiler")
 
@@ -197,7 +198,7 @@ def test_gguf_bf16_tensors_run_in_bf16(tmp_path, monkeypatch):
     from vllm.model_executor import gguf_loader
     from vllm.model_executor.bf16_linear import BF16Linear
     from vllm.model_executor.models.llama import LlamaForCausalLM
-    from vllm.quant_kernels import BF16
+    from vllm.kernels.quant_kernels import BF16
 
     original = gguf_loader.converted_dir_for
     monkeypatch.setattr(gguf_loader, "converted_dir_for",

@@ -4,7 +4,7 @@ import torch
 
 from tests.conftest import hf_greedy, random_prompts
 from vllm import LLM, SamplingParams
-from vllm import _custom_ops as ops
+from vllm.kernels import ops
 
 MAX_NEW = 24
 

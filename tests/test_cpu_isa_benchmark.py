@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from vllm import cpu_kernels
+from vllm.kernels import cpu_kernels
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import benchmark_cpu_isa as bench  # noqa: E402

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():   # before any triton kernel module is importe
 
 from tests.conftest import random_prompts  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
-from vllm import _custom_ops as ops  # noqa: E402
+from vllm.kernels import ops  # noqa: E402
 from vllm.attention.backend import AttentionMetadata, PrefillSpan  # noqa: E402
 from vllm.worker.cuda_graph_runner import CudaGraphRunner, bucket_for, capture_sizes  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The CUDA relocation kernel's loading (vllm/cuda_kernels.py), on CPU with the CUDA side faked
+"""The CUDA relocation kernel's loading (vllm/kernels/cuda_kernels.py), on CPU with the CUDA side faked
 where needed. The prebuilt library (csrc/prebuilt/libvtoken_relocate.so): its manifest matches
 the sources and its bytes, it exports exactly the C ABI, holds sm_80 and sm_90 code and compute_90
 PTX, needs no libcudart, loads and answers with ctypes on a machine without a GPU, rebuilds with
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm import _custom_ops as ops
-from vllm import cuda_kernels
+from vllm.kernels import ops
+from vllm.kernels import cuda_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,11 +106,11 @@ def test_failed_build_warns_once_and_relocation_falls_back_to_triton(fake_cuda, 
     import torch.utils.cpp_extension as cpp
     calls = []
     monkeypatch.setattr(cpp, "load", fake_load(calls, RuntimeError("nvcc: not found")))
-    with caplog.at_level(logging.WARNING, logger="vllm.cuda_kernels"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kernels.cuda_kernels"):
         assert ops._pick(None, True, ("cuda", "triton", "torch")) == "triton"
         assert ops._pick(None, True, ("cuda", "triton", "torch")) == "triton"
         assert cuda_kernels.load_relocate_op() is False
-    warnings = [r for r in caplog.records if r.name == "vllm.cuda_kernels"]
+    warnings = [r for r in caplog.records if r.name == "vllm.kernels.cuda_kernels"]
     assert len(calls) == 1 and len(warnings) == 1
     assert "nvcc: not found" in warnings[0].getMessage() and "Triton" in warnings[0].getMessage()
 
@@ -313,9 +313,9 @@ def test_failed_self_test_falls_back_to_the_jit_build(fake_cuda, monkeypatch, ca
     monkeypatch.setattr(cuda_kernels, "self_test", broken)
     calls = []
     monkeypatch.setattr(cpp, "load", fake_load(calls, RuntimeError("nvcc: not found")))
-    with caplog.at_level(logging.WARNING, logger="vllm.cuda_kernels"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kernels.cuda_kernels"):
         assert ops._pick(None, True, ("cuda", "triton", "torch")) == "triton"
-    messages = [r.getMessage() for r in caplog.records if r.name == "vllm.cuda_kernels"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "vllm.kernels.cuda_kernels"]
     assert len(messages) == 2 and len(calls) == 1
     assert "unusable" in messages[0] and "cudaErrorInsufficientDriver" in messages[0]
     assert "nvcc: not found" in messages[1]
@@ -328,7 +328,7 @@ def test_pre_ampere_gpu_skips_the_prebuilt_library(fake_cuda, monkeypatch, caplo
     monkeypatch.setattr(cuda_kernels, "self_test", lambda impl: None)
     calls = []
     monkeypatch.setattr(cpp, "load", fake_load(calls))
-    with caplog.at_level(logging.WARNING, logger="vllm.cuda_kernels"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kernels.cuda_kernels"):
         assert cuda_kernels.load_relocate_op() is False
     assert "sm_75" in caplog.records[0].getMessage()
     assert [c["arch"] for c in calls] == ["7.5"]                 # the JIT build for this GPU
@@ -370,7 +370,7 @@ def test_a_stale_or_altered_library_is_not_loaded(fake_cuda, monkeypatch, caplog
     monkeypatch.setattr(cuda_kernels, "PrebuiltLibrary", must_not_load)
     calls = []
     monkeypatch.setattr(cpp, "load", fake_load(calls))
-    with caplog.at_level(logging.WARNING, logger="vllm.cuda_kernels"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kernels.cuda_kernels"):
         assert cuda_kernels.load_relocate_op() is False
     assert "stale" in caplog.records[0].getMessage() and len(calls) == 1
 

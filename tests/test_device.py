@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import hf_greedy, random_prompts
 from vllm import LLM, SamplingParams
-from vllm import _custom_ops as ops
+from vllm.kernels import ops
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.worker.worker import kv_blocks_for_memory
@@ -164,8 +164,8 @@ def test_write_kv_padding_writes_nothing():
 _TRITON_RUN = r"""
 import collections, json, sys
 from vllm import LLM, SamplingParams
-from vllm import _custom_ops as ops
-from vllm.attention import triton_decode, triton_write_kv
+from vllm.kernels import ops
+from vllm.kernels import triton_decode, triton_write_kv
 import torch
 
 calls = collections.Counter()
@@ -232,7 +232,7 @@ def test_write_kv_kernel_compiles_for_sm90():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm.attention import triton_write_kv
+from vllm.kernels import triton_write_kv
 for dt in ("bf16", "fp32"):
     sig = {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "slot_ptr": "*i64"}
     sig.update({f"stride_{n}": "i64" for n in ("kt", "kh", "vt", "vh", "slot", "kv", "head")})

@@ -300,7 +300,8 @@ def kquant_gguf(tmp_path_factory):
 
 
 def _kquant_llm(path, quantization, **kwargs):
-    from vllm import LLM, quant_kernels
+    from vllm import LLM
+    from vllm.kernels import quant_kernels
 
     if quantization == "gguf" and not quant_kernels.available():
         pytest.skip("no C compiler")
@@ -324,7 +325,7 @@ def test_kquant_gguf_runs_natively_close_to_float32(kquant_gguf):
 
     from vllm import SamplingParams
     from vllm.model_executor.quant_linear import QuantLinear
-    from vllm.quant_kernels import Q4_K, Q5_0, Q5_1, Q6_K
+    from vllm.kernels.quant_kernels import Q4_K, Q5_0, Q5_1, Q6_K
 
     llms = {q: _kquant_llm(kquant_gguf, q) for q in ("none", "gguf")}
     model = llms["gguf"].llm_engine.model_executor.driver_worker.model
@@ -376,7 +377,7 @@ def test_kquant_gguf_naive_evict_and_vtoken_identical(kquant_gguf, policy):
 
 def _auto_llm(path, monkeypatch, crossover):
     """quantization="auto" with the load-time crossover replaced by `crossover` rows."""
-    from vllm import quant_kernels
+    from vllm.kernels import quant_kernels
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
     if not quant_kernels.available():
@@ -479,7 +480,7 @@ def test_auto_keeps_float32_only_where_it_is_a_margin_faster(monkeypatch, float3
 def test_auto_crossover_is_timed_on_the_model(kquant_gguf):
     """The real timing: a row count of CROSSOVER_ROWS, 0 or past it; the model generates."""
     from vllm import SamplingParams
-    from vllm import quant_kernels
+    from vllm.kernels import quant_kernels
     from vllm.model_executor.models.llama import CROSSOVER_ROWS
 
     if not quant_kernels.available():
@@ -535,7 +536,8 @@ def test_kquant_gguf_under_the_torch_backend_matches_the_c_kernels(kquant_gguf):
     """VLLM_KERNEL_BACKEND=torch (no C attention, no C decode layer) on a model whose GEMMs stay
     in GGUF blocks: decode steps run (they once reached the C decode layer's plan, which the
     torch backend never builds) and give the C kernels' greedy tokens."""
-    from vllm import SamplingParams, _custom_ops as ops
+    from vllm import SamplingParams
+    from vllm.kernels import ops
 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [_prompt(30, seed=3), _prompt(45, seed=4)]

@@ -43,7 +43,7 @@ def test_entry_points_import_without_server_packages():
         "    runpy.run_path(path, run_name='not_main')\n"
         f"for mod in {TEST_MODULES!r}:\n"
         "    importlib.import_module(mod)\n"
-        "import vllm.cuda_kernels, vllm.worker.cuda_graph_runner\n"
+        "import vllm.kernels.cuda_kernels, vllm.worker.cuda_graph_runner\n"
         "print('ok')\n")
     env = {**os.environ, "PYTHONPATH": ROOT}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,

@@ -45,7 +45,7 @@ def test_capacity_is_checked():
 
 def test_views_feed_decode_attention():
     """The -1-padded views and lens drive ops.decode_attention directly."""
-    from vllm import _custom_ops as ops
+    from vllm.kernels import ops
     kv = torch.randn(64, 2, 2, 8)
     b = InputBuffers(max_tokens=4, max_seqs=4, max_view_len=10)
     views = [np.array([3, 9, 17]), np.array([60])]

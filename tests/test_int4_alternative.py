@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm import cpu_kernel_plan, quant_kernels
+from vllm.kernels import cpu_kernel_plan, quant_kernels
 from vllm.model_executor.quant_linear import QuantLinear, QuantWeight, int4_layout
-from vllm.quant_kernels import Q4_0, Q4_1, Q8_0
+from vllm.kernels.quant_kernels import Q4_0, Q4_1, Q8_0
 
 gguf = pytest.importorskip("gguf")
 from test_quant_kernels import block_fields, quantize_weight  # noqa: E402

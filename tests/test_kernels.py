@@ -1,5 +1,5 @@
 """Kernels against torch references on CPU: the Triton relocation and decode-attention kernels
-(under TRITON_INTERPRET=1), the dispatch rules of vllm/_custom_ops.py, and prefill dispatch."""
+(under TRITON_INTERPRET=1), the dispatch rules of vllm/kernels/ops.py, and prefill dispatch."""
 import os
 import platform
 import sys
@@ -11,9 +11,9 @@ import torch
 if not torch.cuda.is_available():   # before any triton kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vllm import _custom_ops as ops  # noqa: E402
-from vllm import cpu_kernels  # noqa: E402
-from vllm.attention import triton_decode, triton_relocate  # noqa: E402
+from vllm.kernels import ops  # noqa: E402
+from vllm.kernels import cpu_kernels  # noqa: E402
+from vllm.kernels import triton_decode, triton_relocate  # noqa: E402
 from vllm.huge_pages import HUGE_PAGE  # noqa: E402
 from vllm.weight_arena import WeightArena  # noqa: E402
 from tests.kernel_refs import (decode_reference, install_fake_xformers, moves,  # noqa: E402
@@ -158,7 +158,7 @@ def test_triton_kernels_compile_for_sm90():
     assert all(k in run.stdout for k in ("'split'", "'reduce'", "'mass'", "'write_kv'"))
 
 
-# ---- C decode kernels (vllm/cpu_kernels.py) -----------------------------------------------------
+# ---- C decode kernels (vllm/kernels/cpu_kernels.py) -----------------------------------------------------
 cpu_built = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 
 
@@ -358,7 +358,7 @@ def test_cpu_rope_and_kv_write_match_torch(isa, t):
     assert rel_err(kv, kv_ref) < 1e-6 and torch.equal(kv[:, 1], kv_ref[:, 1])
 
 
-# ---- the load-time choice (vllm/cpu_kernel_plan.py) and the model's use of it ------------------
+# ---- the load-time choice (vllm/kernels/cpu_kernel_plan.py) and the model's use of it ------------------
 def _layer_scene(seed=0, m=5, hidden=64, heads=4, kv_heads=2, d=16, inter=96, context=40):
     """One decoder layer's config and weights, and a decode step of m rows over `context`
     cached keys each: (cfg, weights, x, positions, kv_cache, meta)."""
@@ -387,7 +387,7 @@ def _layer_scene(seed=0, m=5, hidden=64, heads=4, kv_heads=2, d=16, inter=96, co
 
 
 def _forced_plan(monkeypatch, path, shapes, attention=(4, 2, 16)):
-    from vllm import cpu_kernel_plan
+    from vllm.kernels import cpu_kernel_plan
     monkeypatch.setenv("VLLM_CPU_GEMM", path)
     return cpu_kernel_plan.plan_model(shapes, *attention, layers=1)
 
@@ -446,13 +446,13 @@ def test_weight_arena_hands_out_aligned_slices_on_huge_pages():
 
 
 def test_band_of_rows():
-    from vllm.cpu_kernel_plan import BANDS, band
+    from vllm.kernels.cpu_kernel_plan import BANDS, band
     for i, (lo, hi) in enumerate(BANDS):
         assert band(lo) == i and band(hi or 10 ** 6) == i
 
 
 def test_gemm_choice_keeps_one_layout_unless_another_wins_by_the_margin():
-    from vllm.cpu_kernel_plan import _choose_gemm
+    from vllm.kernels.cpu_kernel_plan import _choose_gemm
     inf = float("inf")
     times = {"c": [1, 1, 1, 1, 2, 2, 2, 2], "torch": [0.95, 2, 2, 2, 1, 1, 1, 1.7],
              "mkl": [2, 0.5, 2, 2, 2, 2, 2, inf]}
@@ -465,7 +465,7 @@ def test_gemm_choice_keeps_one_layout_unless_another_wins_by_the_margin():
 def _timing_scene(monkeypatch, tmp_path, calls: int, others_cores: float):
     """Plans timed on tiny shapes (one copy each, `calls` calls per candidate) into a private
     cache, with other processes using `others_cores` of the host."""
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
     monkeypatch.setattr(kp, "STREAM_BYTES", 1)
@@ -481,7 +481,7 @@ def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
     """Timing outcomes are not checked (they depend on the host), only the decision's shape,
     its JSON form, and that a second load reads the cache instead of timing."""
     import json
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     _timing_scene(monkeypatch, tmp_path, calls=1, others_cores=0.0)
     shapes = {(32, 48): 2, (48, 32): 2}
     plan = kp.plan_model(shapes, 4, 2, 16, layers=2)
@@ -526,7 +526,7 @@ def test_plan_keeps_the_faster_prefetch_setting_per_band(monkeypatch, tmp_path):
     """One row streams faster without the next-panel prefetch, more rows with it (as on the
     AMD EPYC Zen 4 host): the plan turns it off in band 0 only, and both the fused layer and
     the C GEMMs of that band follow it."""
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     _timing_scene(monkeypatch, tmp_path, calls=2, others_cores=0.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
     clock = _FakeClock(monkeypatch, kp)
@@ -548,7 +548,7 @@ def test_prefetch_choice_follows_the_median_round_not_one_lucky_call(monkeypatch
     """Without prefetch the layer is faster in every round but one, where the prefetching one
     has a lucky call at half its time: the minima would keep the prefetch, the median per-round
     ratio does not."""
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     _timing_scene(monkeypatch, tmp_path, calls=5, others_cores=0.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
     clock = _FakeClock(monkeypatch, kp)
@@ -573,7 +573,7 @@ def test_prefetch_choice_follows_the_median_round_not_one_lucky_call(monkeypatch
 def test_prefetch_must_win_by_the_margin(monkeypatch, tmp_path):
     """Rounds where the prefetching layer is 3% faster (within what one layer's calls can tell)
     turn it off; 10% faster keeps it."""
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     _timing_scene(monkeypatch, tmp_path, calls=4, others_cores=0.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
     speedup = iter([0.97, 0.90] + [0.5] * (len(kp.BANDS) - 3))
@@ -594,7 +594,7 @@ def test_decode_layer_candidates_take_turns_over_the_layers(monkeypatch, tmp_pat
     """The fused layer's candidates time on the same layers: as they take turns, the t-th timed
     call of a band reads layer t mod n, never the one the call before it just read (from L3,
     which flattered whichever candidate came second)."""
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     _timing_scene(monkeypatch, tmp_path, calls=4, others_cores=0.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
     read = []
@@ -610,7 +610,7 @@ def test_decode_layer_candidates_take_turns_over_the_layers(monkeypatch, tmp_pat
 
 @cpu_built
 def test_busy_host_gives_the_c_plan_uncached(monkeypatch, tmp_path):
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
     monkeypatch.setattr(kp, "STREAM_BYTES", 1)
@@ -628,7 +628,7 @@ def test_busy_host_gives_the_c_plan_uncached(monkeypatch, tmp_path):
 def test_plan_timed_beside_other_processes_is_not_cached(monkeypatch, tmp_path):
     """Kernels timed while another process ran (the test run beside a compiler, say) must not
     fix a wrong plan for every later load."""
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     _timing_scene(monkeypatch, tmp_path, calls=1, others_cores=1.0)
     plan = kp.plan_model({(32, 48): 2}, 4, 2, 16, layers=2)
     kp.choose_decode_layer(plan, lambda m, fused, prefetch: [lambda: None])
@@ -638,7 +638,7 @@ def test_plan_timed_beside_other_processes_is_not_cached(monkeypatch, tmp_path):
 
 def test_attention_timing_times_each_path(monkeypatch):
     """Each candidate's calls run its own path (they once all ran the last one named)."""
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     from vllm.attention import backend
     ran = []
     monkeypatch.setattr(kp, "pool_bytes", lambda: 1)
@@ -652,7 +652,7 @@ def test_attention_timing_times_each_path(monkeypatch):
 
 def test_others_cpu_counts_another_process():
     import subprocess
-    from vllm.cpu_kernel_plan import OthersCpu
+    from vllm.kernels.cpu_kernel_plan import OthersCpu
     meter = OthersCpu()
     if meter.start is None:
         pytest.skip("no /proc/stat")
@@ -664,7 +664,7 @@ def test_others_cpu_counts_another_process():
 
 @cpu_built
 def test_small_models_take_the_c_path_untimed(monkeypatch):
-    from vllm import cpu_kernel_plan as kp
+    from vllm.kernels import cpu_kernel_plan as kp
     monkeypatch.delenv("VLLM_CPU_GEMM", raising=False)
     monkeypatch.setattr(kp, "_time_gemm", None)
     plan = kp.plan_model({(64, 64): 2}, 4, 2, 16, layers=2)

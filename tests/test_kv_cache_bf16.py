@@ -12,8 +12,8 @@ from tests.conftest import random_prompts
 from tests.kernel_refs import decode_reference, paged_scene, rel_err
 from tests.test_kv_cache_dtype import cpu_built, generate, prompt_log_probs
 from vllm import LLM
-from vllm import _custom_ops as ops
-from vllm import cpu_kernels
+from vllm.kernels import ops
+from vllm.kernels import cpu_kernels
 from vllm.attention import kv_quant
 
 BF16 = torch.bfloat16

@@ -11,8 +11,8 @@ import torch
 from tests.conftest import random_prompts
 from tests.kernel_refs import decode_reference, paged_scene, rel_err
 from vllm import LLM, SamplingParams
-from vllm import _custom_ops as ops
-from vllm import cpu_kernels
+from vllm.kernels import ops
+from vllm.kernels import cpu_kernels
 from vllm.attention import kv_quant
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

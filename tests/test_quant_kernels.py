@@ -1,11 +1,11 @@
-"""The GGUF block-quantized GEMM (csrc/cpu/quant_kernels.c, vllm/quant_kernels.py) against a
+"""The GGUF block-quantized GEMM (csrc/cpu/quant_kernels.c, vllm/kernels/quant_kernels.py) against a
 float64 reference of the same block math, on every instruction-set variant this CPU runs."""
 import numpy as np
 import pytest
 import torch
 
-from vllm import cpu_kernels, quant_kernels
-from vllm.quant_kernels import (BLOCK, BLOCK_BYTES, BLOCK_ELEMS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+from vllm.kernels import cpu_kernels, quant_kernels
+from vllm.kernels.quant_kernels import (BLOCK, BLOCK_BYTES, BLOCK_ELEMS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
                                 Q6_K, Q8_0)
 
 gguf = pytest.importorskip("gguf")

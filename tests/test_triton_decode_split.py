@@ -1,4 +1,4 @@
-"""Split-K Triton decode (vllm/attention/triton_decode.py) against the float64 reference, under
+"""Split-K Triton decode (vllm/kernels/triton_decode.py) against the float64 reference, under
 TRITON_INTERPRET=1; the split selection (shapes only: eager steps and CUDA graph buckets alike);
 the mass pass bounded by each row's length. Compiled for Hopper: tests/test_triton_sm90.py."""
 import os
@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():   # before any triton kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vllm.attention import triton_decode  # noqa: E402
+from vllm.kernels import triton_decode  # noqa: E402
 from tests.kernel_refs import decode_reference, paged_scene, rel_err  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -21,10 +21,11 @@ from tests.conftest import random_prompts  # noqa: E402
 from tests.kernel_refs import (decode_reference, moves, paged_scene, rel_err,  # noqa: E402
                                same_fp8_codes)
 from tests.test_kv_cache_dtype import hard_values  # noqa: E402
-from vllm import _custom_ops as ops  # noqa: E402
-from vllm import cuda_kernels  # noqa: E402
-from vllm.attention import kv_quant, triton_decode, triton_relocate  # noqa: E402
-from vllm.attention.triton_write_kv import write_kv as triton_write_kv  # noqa: E402
+from vllm.kernels import ops  # noqa: E402
+from vllm.kernels import cuda_kernels  # noqa: E402
+from vllm.attention import kv_quant
+from vllm.kernels import triton_decode, triton_relocate  # noqa: E402
+from vllm.kernels.triton_write_kv import write_kv as triton_write_kv  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -288,7 +289,8 @@ _ENGINE_RUN = r"""
 import collections, json, sys
 import torch
 from vllm import LLM, SamplingParams
-from vllm.attention import kv_quant, triton_decode, triton_write_kv
+from vllm.attention import kv_quant
+from vllm.kernels import triton_decode, triton_write_kv
 
 calls = collections.Counter()
 def counted(mod, name):

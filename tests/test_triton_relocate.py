@@ -1,4 +1,4 @@
-"""The Triton relocation fallback (vllm/attention/triton_relocate.py) against torch on CPU, under
+"""The Triton relocation fallback (vllm/kernels/triton_relocate.py) against torch on CPU, under
 TRITON_INTERPRET=1: its grid goes over (moves x layer chunks), and every layer count (below, at
 and off the chunk), row size (one tile, several tiles, 1-word rows), dtype and a strided cache
 (a gap between layers) copies bit-exactly; fp8 caches (--kv-cache-dtype) too, NaN codes
@@ -11,8 +11,8 @@ import torch
 if not torch.cuda.is_available():   # before any triton kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vllm import _custom_ops as ops  # noqa: E402
-from vllm.attention import triton_relocate  # noqa: E402
+from vllm.kernels import ops  # noqa: E402
+from vllm.kernels import triton_relocate  # noqa: E402
 from tests.kernel_refs import moves  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -87,7 +87,7 @@ def test_block_sizes_follow_the_group():
     """The query-head block is the group rounded up to a power of two, never padded to 16."""
     import torch
 
-    from vllm.attention import triton_decode as td
+    from vllm.kernels import triton_decode as td
     for g, block in ((1, 1), (2, 2), (4, 4), (5, 8), (8, 8)):
         for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
             assert td._config(g, 128, dtype).block_g == block
@@ -99,7 +99,7 @@ def test_pipelining_depth():
     tiles spill at 3)."""
     import torch
 
-    from vllm.attention import triton_decode as td
+    from vllm.kernels import triton_decode as td
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     for kv in (torch.bfloat16, torch.float16, torch.float32) + fp8:
         for q in (None, torch.bfloat16, torch.float16, torch.float32):

@@ -219,7 +219,7 @@ def test_cli_parses_eviction_flags():
 @pytest.mark.parametrize("policy", ["h2o", "tova"])        # decode attention mass / last row
 def test_c_decode_layer_and_torch_path_evict_alike(tiny_llama, long_prompts, policy):
     """The C decode layer (attention mass from C) and the torch path: same tokens, same evictions."""
-    from vllm import _custom_ops as ops
+    from vllm.kernels import ops
     c_llm, c_out, c_seqs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
                                kv_reclamation="vtoken", kv_frag_threshold=0.0)
     assert (c_llm.llm_engine.model.layers[0].fused is not None) == ops.cpu_kernels_enabled()

@@ -1,4 +1,4 @@
-/* CPU decode kernels (float32, OpenMP), loaded with ctypes by vllm/cpu_kernels.py.
+/* CPU decode kernels (float32, OpenMP), loaded with ctypes by vllm/kernels/cpu_kernels.py.
 
    Decode steps multiply a few rows by every weight matrix, so they are bound by how fast the
    weights stream from memory. MKL's sgemm reaches about 8 GB/s on these shapes on our 2-core
@@ -7,7 +7,7 @@
    and 25-33 GB/s (AVX2 host) at batch 1.
 
    Plain C with GCC vector extensions, no torch headers, one translation unit, built once per
-   instruction set (vllm/cpu_kernels.py passes the -m flags and one of these macros):
+   instruction set (vllm/kernels/cpu_kernels.py passes the -m flags and one of these macros):
      VTOK_ISA_AVX512  64-byte vectors, 32 registers: 8 x 1 and 12 x 2 vector GEMM blocks
      VTOK_ISA_AVX2    32-byte vectors, 16 registers: 3 x 1 (split chains) and 6 x 2
                       (accumulators + weights + one broadcast fit in 16 ymm; more spill and
@@ -94,12 +94,12 @@ static inline float hsum(vec v) {
   return s;
 }
 
-/* what this build is, for vllm/cpu_kernels.py (pack_weight must use this build's PANEL) */
+/* what this build is, for vllm/kernels/cpu_kernels.py (pack_weight must use this build's PANEL) */
 int vtok_panel_width(void) { return PANEL; }
 const char *vtok_isa(void) { return ISA_NAME; }
 
 /* ---- packed GEMM ------------------------------------------------------------------------------
-   Packed weight layout (built by vllm/cpu_kernels.py pack_weight): W [K, N] (y = x @ W) is
+   Packed weight layout (built by vllm/kernels/cpu_kernels.py pack_weight): W [K, N] (y = x @ W) is
    stored as panels[P][K][PANEL] with P = ceil(N / PANEL), columns past N zero. PANEL = 16,
    K = 2, N = 20:
        panel 0 = W[0, 0:16], W[1, 0:16]          panel 1 = W[0, 16:20] 0 0 ..., W[1, 16:20] 0 ...
@@ -262,7 +262,7 @@ static inline __attribute__((always_inline)) void panel_rows(
 /* y [M, N] = x [M, K] @ W (+ bias [N]) (+ residual [M, N]), W packed; bias, residual may be NULL
    and residual may be y itself. prefetch 0 turns the decode passes' next-panel prefetch off: on
    the AMD EPYC Zen 4 host one row streamed 5-22% faster without it (the weight stream is then
-   all a pass does), 8-16 rows ran 25% slower; vllm/cpu_kernel_plan.py times both per band.
+   all a pass does), 8-16 rows ran 25% slower; vllm/kernels/cpu_kernel_plan.py times both per band.
    Up to ROWS rows: each thread streams its panels once. More rows:
    pairs of panels, PAIR_ROWS rows at a time (the pair stays in L1 / L2 between those passes).
    Past PREFETCH_PASSES passes (prefill) the rows go in blocks of X_BLOCK_BYTES of x, which stay

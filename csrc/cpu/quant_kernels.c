@@ -36,7 +36,7 @@ to 4 activation rows, so batched decode streams W once. vq_gemm_parts multiplies
 weights of different types at once (a fused Q/K/V whose V is Q6_K while Q and K are Q4_K, as a
 Q4_K_M file has), quantizing x once, each weight's columns side by side in y.
 
-Built per ISA like decode_kernels.c (vllm/cpu_kernels.py): VTOK_ISA_AVX512 (512-bit, two
+Built per ISA like decode_kernels.c (vllm/kernels/cpu_kernels.py): VTOK_ISA_AVX512 (512-bit, two
 blocks per step; avx512_vnni vpdpbusd when the CPU has it, else avx512bw maddubs/madd),
 VTOK_ISA_AVX2 (maddubs/madd), neither: portable C. The x86 variants convert fp16 with F16C
 (every AVX2 CPU has it).

@@ -13,8 +13,9 @@ from tests.kernel_refs import (decode_reference, moves, paged_scene, prefill_ref
                                same_fp8_codes)
 from tests.test_kv_cache_dtype import hard_values
 from vllm import LLM, SamplingParams
-from vllm import _custom_ops as ops
-from vllm.attention import kv_quant, triton_decode
+from vllm.kernels import ops
+from vllm.attention import kv_quant
+from vllm.kernels import triton_decode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -10,7 +10,7 @@ import torch
 from tests.conftest import random_prompts
 from tests.kernel_refs import decode_reference, rel_err
 from vllm import LLM, SamplingParams
-from vllm import _custom_ops as ops
+from vllm.kernels import ops
 from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.input_buffers import InputBuffers
 from vllm.worker.relocation import RelocationExecutor

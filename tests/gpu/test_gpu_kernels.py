@@ -1,5 +1,5 @@
 """On CUDA: the relocation kernel (the checked-in prebuilt library loaded with ctypes, else the
-JIT-built op: vllm/cuda_kernels.py), the Triton relocation and decode kernels, and the dispatch,
+JIT-built op: vllm/kernels/cuda_kernels.py), the Triton relocation and decode kernels, and the dispatch,
 against torch references. Skipped without CUDA."""
 import os
 import subprocess
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.kernel_refs import decode_reference, moves, paged_scene, rel_err
-from vllm import _custom_ops as ops
-from vllm import cuda_kernels
+from vllm.kernels import ops
+from vllm.kernels import cuda_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -42,7 +42,7 @@ def test_jit_build_where_a_compiler_exists():
     from torch.utils import cpp_extension
     if cpp_extension.CUDA_HOME is None or not cpp_extension.is_ninja_available():
         pytest.skip("no nvcc or no ninja here (the prebuilt library is what runs)")
-    code = ("import torch; from vllm import cuda_kernels; assert cuda_kernels.load_relocate_op()\n"
+    code = ("import torch; from vllm.kernels import cuda_kernels; assert cuda_kernels.load_relocate_op()\n"
             "assert cuda_kernels.backend() == 'jit'\n"
             "kv = torch.randn(9, 64, 2, 2, 8, device='cuda'); ref = kv.clone()\n"
             "s, d = torch.tensor([1, 5]), torch.tensor([7, 60]); ref[:, d] = ref[:, s]\n"
@@ -116,7 +116,7 @@ def test_debug_build_checks_index_ranges(tmp_path):
     """VLLM_RELOCATE_DEBUG=1: an out-of-range slot is a RuntimeError, not a silent write (the
     prebuilt library's wrapper checks on the host; a JIT build compiles with -DVTOKEN_DEBUG). Its
     own process: the kernel loads once per process."""
-    code = ("import torch; from vllm import cuda_kernels; assert cuda_kernels.load_relocate_op()\n"
+    code = ("import torch; from vllm.kernels import cuda_kernels; assert cuda_kernels.load_relocate_op()\n"
             "kv = torch.zeros(2, 64, 2, 2, 8, device='cuda')\n"
             "try:\n"
             "    cuda_kernels.relocate_kv(kv, torch.tensor([1, 64]), torch.tensor([2, 3]))\n"

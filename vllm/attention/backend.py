@@ -1,5 +1,5 @@
 """Attention over the paged KV cache, read through each request's attention view. Every kernel
-is reached through vllm/_custom_ops.py (the one dispatch point): decode on the C kernel (CPU),
+is reached through vllm/kernels/ops.py (the one dispatch point): decode on the C kernel (CPU),
 Triton (CUDA) or torch; prefill on xformers or SDPA; the cache write on Triton or torch.
 
 Prefill on CUDA runs the step's spans as one batched call (AttentionMetadata.prefill_batches):
@@ -27,7 +27,7 @@ from typing import List, Optional
 
 import torch
 
-from vllm import _custom_ops as ops
+from vllm.kernels import ops
 from vllm.attention import kv_quant
 
 QUERY_TILE = 256   # prefill queries per tile when column sums are collected

@@ -9,8 +9,8 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from vllm import cpu_kernels, quant_kernels
-from vllm.cpu_kernel_plan import KernelPlan
+from vllm.kernels import cpu_kernels, quant_kernels
+from vllm.kernels.cpu_kernel_plan import KernelPlan
 from vllm.model_executor.quant_linear import QuantWeight
 
 

@@ -40,7 +40,7 @@ def resolve_cpu_dtype(dtype: str, device: str, hf_config, tp_size: int,
     whose own dtype is bfloat16; activations and accumulation are float32 then (the KV cache
     bfloat16: kv_quant.resolve). Tensor parallelism, or no C kernels (VLLM_KERNEL_BACKEND=torch),
     keeps torch's bf16 path (--dtype bfloat16) or float32 (auto)."""
-    from vllm import _custom_ops as ops
+    from vllm.kernels import ops
     own = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     mode = ("bfloat16" if dtype == "bfloat16" else
             "auto" if dtype == "auto" and str(own).removeprefix("torch.") == "bfloat16"
@@ -56,8 +56,8 @@ def _no_block_kernels(dtype: str, device: torch.device, tp: TPGroup,
                       bf16: bool) -> Optional[str]:
     """Why the CPU block (bf16: the float32 GEMM's bf16) kernels cannot run this model, or
     None."""
-    from vllm import _custom_ops as ops
-    from vllm import quant_kernels
+    from vllm.kernels import ops
+    from vllm.kernels import quant_kernels
     why = ("tensor parallelism" if tp.world_size > 1 else
            f"dtype {dtype}" if dtype != "float32" else
            f"device {device.type}" if device.type != "cpu" else None)

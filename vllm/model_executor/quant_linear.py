@@ -1,6 +1,6 @@
 """GGUF block-quantized linear layers (--quantization gguf): the GGUF's Q8_0 / Q4_0 / Q4_1 /
 Q5_0 / Q5_1 / Q4_K / Q6_K weights are kept in their blocks and multiplied natively on the CPU
-(csrc/cpu/quant_kernels.c via vllm/quant_kernels.py), instead of dequantized to float32; its
+(csrc/cpu/quant_kernels.c via vllm/kernels/quant_kernels.py), instead of dequantized to float32; its
 BF16 weights stay in bfloat16 (BF16Linear, model_executor/bf16_linear.py), as do a bf16
 checkpoint's under --dtype bfloat16 (bf16_weights).
 
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm import cpu_kernel_plan, quant_kernels
+from vllm.kernels import cpu_kernel_plan, quant_kernels
 
 logger = logging.getLogger(__name__)
 # the GEMM weights of a llama checkpoint (HF names); the LM head is "lm_head.weight"
@@ -204,7 +204,7 @@ class QuantLinear(nn.Module):
     def block_weight(self):
         """The weights for the C decode layer (cpu_kernels.BlockWeight), with the address of
         the active quant library's vq_gemm_parts."""
-        from vllm import cpu_kernels
+        from vllm.kernels import cpu_kernels
         lib = quant_kernels.library(quant_kernels.active_isa())
         gemm = ctypes.cast(lib.vq_gemm_parts, ctypes.c_void_p).value
         return cpu_kernels.BlockWeight(gemm, self._parts.count, ctypes.addressof(self._parts.types),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from vllm._custom_ops import argmax_rows, to_device
+from vllm.kernels.ops import argmax_rows, to_device
 from vllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from vllm._custom_ops import to_device
+from vllm.kernels.ops import to_device
 from vllm.attention import kv_quant
 from vllm.attention.backend import AttentionMetadata, PrefillSpan
 from vllm.worker.cuda_graph_runner import CudaGraphRunner

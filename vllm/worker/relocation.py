@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Set
 
 import torch
 
-from vllm import _custom_ops as ops
+from vllm.kernels import ops
 from vllm.attention import kv_quant
 
 
@@ -91,7 +91,7 @@ class RelocationExecutor:
                  backend: Optional[str] = None, check: bool = False):
         self.kv_caches = kv_caches
         self.force_sync = force_sync
-        self.backend = backend                 # None: _custom_ops picks (see its table)
+        self.backend = backend                 # None: kernels/ops.py picks (see its table)
         self.check = check
         self.stream = torch.cuda.Stream(kv_caches.device) if kv_caches.is_cuda else None
         if kv_caches.is_cuda and backend in (None, "cuda"):

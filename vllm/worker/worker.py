@@ -252,7 +252,7 @@ class Worker:
     def info(self) -> Dict:
         """What this rank runs on: the CPU, the C kernels' variant and the load-time kernel plan
         (which GEMM / attention path each batch band uses)."""
-        from vllm import cpu_kernels
+        from vllm.kernels import cpu_kernels
         plan = getattr(self.model, "plan", None)
         return {"device": str(self.device), "cpu": cpu_kernels.cpu_name(),
                 "cpu_kernels": cpu_kernels.active_isa() if cpu_kernels.available() else "off",

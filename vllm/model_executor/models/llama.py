@@ -8,7 +8,7 @@ layer fuses a whole layer, so it runs at N = 1 only.
 
 Weights are kept pre-transposed ([in, out], contiguous) because `x @ Wt` is up to 2x faster than
 `F.linear(x, W)` for decode-shaped GEMMs on CPU. Q/K/V and gate/up are fused into one GEMM each.
-In float32 on CPU a KernelPlan (vllm/cpu_kernel_plan.py), timed once at load, picks per batch
+In float32 on CPU a KernelPlan (vllm/kernels/cpu_kernel_plan.py), timed once at load, picks per batch
 band the GEMM path (C on packed panels, MKL packed, or x @ Wt), the decode attention and whether
 a decode step runs each layer as one C call; each weight is kept only in the layouts it uses.
 With --quantization gguf the GEMM weights the GGUF holds in Q8_0 / Q4_0 / Q4_1 blocks stay in
@@ -30,11 +30,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from vllm import _custom_ops as ops
-from vllm import cpu_kernel_plan, cpu_kernels, quant_kernels
+from vllm.kernels import ops
+from vllm.kernels import cpu_kernel_plan, cpu_kernels, quant_kernels
 from vllm.attention import kv_quant
 from vllm.attention.backend import AttentionMetadata, paged_attention, write_kv
-from vllm.cpu_kernel_plan import KernelPlan, band
+from vllm.kernels.cpu_kernel_plan import KernelPlan, band
 from vllm.distributed.tp_group import TPGroup
 from vllm.model_executor.quant_linear import QuantLinear, QuantWeight, block_linear, group
 from vllm.weight_arena import WeightArena

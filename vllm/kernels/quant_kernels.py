@@ -4,7 +4,7 @@ elements), the activations quantized per 32-element block to two int8 digits ins
 (see the C file's header for the exact math). `gemm_parts` multiplies by several weights of
 different types at once (a fused Q/K/V of a Q4_K_M file), their outputs side by side.
 
-Built and loaded like the float32 kernels (vllm/cpu_kernels.py: one library per instruction-set
+Built and loaded like the float32 kernels (vllm/kernels/cpu_kernels.py: one library per instruction-set
 variant, the same flags, cache and CPU key); the avx512 variant uses vpdpbusd where the CPU has
 avx512_vnni. The x86 variants convert fp16 with F16C: a CPU with AVX2 but no F16C (none is
 known) gets the generic variant.
@@ -17,11 +17,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from vllm import cpu_kernels
+from vllm.kernels import cpu_kernels
 
 _HERE = Path(__file__).resolve().parent
-SOURCE = next((p for p in (_HERE / "_csrc" / "quant_kernels.c",
-                           _HERE.parent / "csrc" / "cpu" / "quant_kernels.c") if p.exists()), None)
+SOURCE = next((p for p in (_HERE.parent / "_csrc" / "quant_kernels.c",
+                           _HERE.parent.parent / "csrc" / "cpu" / "quant_kernels.c") if p.exists()), None)
 
 # GGML type ids (gguf.GGMLQuantizationType) -> bytes per block, elements per block
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14

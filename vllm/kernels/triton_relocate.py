@@ -1,6 +1,6 @@
 """Triton relocation kernel: kv_caches[:, dst[i]] = kv_caches[:, src[i]] for all layers, one launch.
 
-The fallback where the CUDA kernel (vllm/cuda_kernels.py) cannot load. Its grid, like the CUDA
+The fallback where the CUDA kernel (vllm/kernels/cuda_kernels.py) cannot load. Its grid, like the CUDA
 kernel's, goes over (moves x layer chunks): program (i, c) copies move i's row in the
 LAYER_CHUNK layers c * LAYER_CHUNK ..., all chunk rows loaded as one [LAYER_CHUNK, BLOCK] tile
 before any store, so each program has LAYER_CHUNK independent row reads in flight and a

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 # an installed wheel carries the source as vllm/_csrc/ (setup.py); a checkout has it in csrc/
 _HERE = Path(__file__).resolve().parent
-SOURCE = next((p for p in (_HERE / "_csrc" / "decode_kernels.c",
-                           _HERE.parent / "csrc" / "cpu" / "decode_kernels.c") if p.exists()), None)
+SOURCE = next((p for p in (_HERE.parent / "_csrc" / "decode_kernels.c",
+                           _HERE.parent.parent / "csrc" / "cpu" / "decode_kernels.c") if p.exists()), None)
 ISAS = ("avx512", "avx2", "generic")
 # the CPU flags each variant needs, and how it is compiled
 _NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"},

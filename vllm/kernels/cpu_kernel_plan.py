@@ -2,7 +2,7 @@
 
 At model load, each GEMM shape of the model is timed at one row count per band (BANDS, timed at
 TIMED_ROWS) on three paths:
-    c      the C packed GEMM (vllm/cpu_kernels.py; weights as its panels)
+    c      the C packed GEMM (vllm/kernels/cpu_kernels.py; weights as its panels)
     mkl    MKL's packed sgemm (torch.ops.mkl._mkl_linear): its packing is only valid for one row
            count, so a band it serves gets its own copy, packed for the band's largest row count
            (rows padded up to it), and that copy is 2.7-4.3x the weight's bytes
@@ -47,7 +47,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from vllm import cpu_kernels, envs
+from vllm import envs
+from vllm.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@
                processes reuse the build (cpp_extension locks the folder against concurrent
                builders).
   3. neither   load_relocate_op() returns False after one warning per failed way: relocation runs
-               the Triton kernel, or torch (vllm/_custom_ops.py).
+               the Triton kernel, or torch (vllm/kernels/ops.py).
 
 Nothing is tried without CUDA. `relocate_kv()` runs whichever loaded; `backend()` names it.
 
@@ -52,7 +52,7 @@ _backend: Optional[str] = None
 
 
 def source_dir() -> Optional[Path]:
-    return next((d for d in (_HERE / "_csrc", _HERE.parent / "csrc")
+    return next((d for d in (_HERE.parent / "_csrc", _HERE.parent.parent / "csrc")
                  if all((d / n).exists() for n in _NAMES)), None)
 
 
@@ -68,7 +68,7 @@ def prebuilt_path() -> Optional[Path]:
         return None
     if env:
         return Path(env)
-    src = next((d for d in (_HERE / "_csrc", _HERE.parent / "csrc")
+    src = next((d for d in (_HERE.parent / "_csrc", _HERE.parent.parent / "csrc")
                 if (d / "prebuilt" / LIB_NAME).exists()), None)
     return None if src is None else src / "prebuilt" / LIB_NAME
 

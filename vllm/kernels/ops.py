@@ -2,12 +2,12 @@
 
     op                 CUDA tensors (auto)                          CPU tensors (auto)
     relocate_kv        CUDA kernel (the prebuilt library, else the    torch index_copy_
-                       op built on first use: vllm/cuda_kernels.py),
+                       op built on first use: vllm/kernels/cuda_kernels.py),
                        else Triton, else torch
     write_kv           Triton (masked store: no host sync)           torch indexing
     decode_attention   Triton                                        C kernel (float32, head_dim a
                                                                     multiple of 16, when built:
-                                                                    vllm/cpu_kernels.py), else
+                                                                    vllm/kernels/cpu_kernels.py), else
                                                                     torch gather + SDPA
     prefill_attention  xformers if installed, else torch SDPA        torch SDPA (no xformers)
     prefill_attention_ xformers (block-diagonal causal bias) if       padded torch SDPA (tests; the
@@ -58,11 +58,11 @@ def forced_backend(backend: Optional[str]):
 
 @functools.lru_cache(maxsize=None)
 def _available(backend: str) -> bool:
-    if backend == "cuda":   # the relocation kernel: prebuilt library or JIT (vllm/cuda_kernels.py)
-        from vllm import cuda_kernels
+    if backend == "cuda":   # the relocation kernel: prebuilt library or JIT (vllm/kernels/cuda_kernels.py)
+        from vllm.kernels import cuda_kernels
         return cuda_kernels.load_relocate_op()
     if backend == "cpu":
-        from vllm import cpu_kernels
+        from vllm.kernels import cpu_kernels
         return cpu_kernels.available()
     if backend in ("triton", "xformers"):
         return importlib.util.find_spec(backend) is not None
@@ -105,10 +105,10 @@ def relocate_kv(kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
         return
     which = _pick(backend, kv_caches.is_cuda, ("cuda", "triton", "torch"))
     if which == "cuda":
-        from vllm import cuda_kernels
+        from vllm.kernels import cuda_kernels
         cuda_kernels.relocate_kv(kv_caches, src, dst)
     elif which == "triton":
-        from vllm.attention.triton_relocate import relocate_kv as triton_relocate
+        from vllm.kernels.triton_relocate import relocate_kv as triton_relocate
         triton_relocate(kv_caches, src, dst)
     else:
         dst = dst.to(kv_caches.device)
@@ -135,7 +135,7 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
             return
         kv_quant.calibrate_if_needed(kv_cache, k, v, slot_mapping)
     if which == "triton":
-        from vllm.attention.triton_write_kv import write_kv as triton_write_kv
+        from vllm.kernels.triton_write_kv import write_kv as triton_write_kv
         scales = kv_quant.scale_row(kv_cache) if kv_quant.is_fp8(kv_cache) else None
         triton_write_kv(kv_cache, slot_mapping, k, v, scales)
         return
@@ -185,10 +185,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
     """
     which = backend or decode_backend(q)
     if which == "cpu":
-        from vllm import cpu_kernels
+        from vllm.kernels import cpu_kernels
         return cpu_kernels.decode_attention(q, kv_cache, slots, lens, scale, mass)
     if _pick(which, q.is_cuda, ("triton", "torch")) == "triton":
-        from vllm.attention.triton_decode import decode_attention as triton_decode
+        from vllm.kernels.triton_decode import decode_attention as triton_decode
         # the kernel writes out with q's strides; q is a strided view of the QKV projection
         return triton_decode(q.contiguous(), kv_cache, slots, lens, scale, mass)
     gather, bias = torch_view if torch_view is not None else torch_decode_view(slots, lens)
@@ -219,7 +219,7 @@ def _decode_torch(q, kv_cache, gather, bias, scale, mass):
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [B, V] -> int64 [B]: each row's first maximal index (a NaN: the first NaN's)."""
     if not x.is_cuda and x.dtype == torch.float32 and cpu_kernels_enabled():
-        from vllm import cpu_kernels
+        from vllm.kernels import cpu_kernels
         return cpu_kernels.argmax_rows(x)
     return x.max(dim=1).indices        # the first maximal index too, faster than argmax on CPU
 
