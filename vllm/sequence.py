@@ -1,7 +1,7 @@
 """A sequence: one sample of one request, the unit the scheduler and block manager see."""
 import enum
 import time
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Collection, Dict, List, Optional, Set
 
 import torch
 
@@ -26,7 +26,10 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     def __init__(self, seq_id: str, request_id: str, index: int, prompt: Optional[str],
                  prompt_token_ids: List[int], params: SamplingParams,
-                 eos_token_id: Optional[int], arrival_time: Optional[float] = None):
+                 eos_token_id: Optional[int], arrival_time: Optional[float] = None,
+                 eos_token_ids: Collection[int] = ()):
+        """eos_token_id: the tokenizer's EOS; eos_token_ids: the model's other EOS ids
+        (generation_config.json's). Any of them ends the sequence unless ignore_eos."""
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index                      # sample index within the request (n > 1)
@@ -35,6 +38,9 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.params = params
         self.eos_token_id = eos_token_id
+        # every EOS id, the tokenizer's included
+        self.eos_token_ids = frozenset(eos_token_ids) | (
+            {eos_token_id} if eos_token_id is not None else frozenset())
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0

@@ -2,10 +2,10 @@
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, FrozenSet, Iterable, List, Optional, Union
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from vllm.attention import kv_quant
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -32,6 +32,20 @@ PromptType = Union[str, Dict, List[int]]
 logger = logging.getLogger(__name__)
 
 
+def generation_eos_token_ids(model_dir: str, hf_config=None) -> FrozenSet[int]:
+    """The EOS ids of the model's generation config (``eos_token_id``: an int or a list), as
+    upstream vLLM reads them: generation_config.json, or without one the model config's
+    (``hf_config``); empty when neither sets any."""
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir)
+    except OSError:        # no generation_config.json
+        gen = GenerationConfig.from_model_config(hf_config) if hf_config is not None else None
+    ids = getattr(gen, "eos_token_id", None)
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
 @dataclass
 class RequestState:
     request_id: str
@@ -56,6 +70,8 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(args.tokenizer or model_dir, args.load_format)
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.hf_config = hf_config
+        # the model's EOS ids beside the tokenizer's: each ends a request (as upstream)
+        self.eos_token_ids = generation_eos_token_ids(model_dir, hf_config)
         if quantization == "gguf":      # get_model reads them on every rank
             setattr(hf_config, GGUF_QUANT_ATTR, quant_file)
             setattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, args.quantization == "auto")
@@ -199,7 +215,8 @@ class LLMEngine:
         grammars = self._new_grammars(params)     # compiles (cached) or raises: no state yet
         kv_config = kv_eviction.apply(self.kv_config) if kv_eviction is not None else None
         seqs = [Sequence(request_id if params.n == 1 else f"{request_id}#{i}", request_id, i,
-                         text, ids, params, self._eos_token_id(), arrival_time)
+                         text, ids, params, self._eos_token_id(), arrival_time,
+                         self.eos_token_ids)
                 for i in range(params.n)]
         for seq, grammar in zip(seqs, grammars):
             seq.kv_config = kv_config
@@ -293,7 +310,8 @@ class LLMEngine:
     def _sample(self, rows: List[StepRow], logits: torch.Tensor) -> SamplerOutput:
         return self.sampler(logits, [SamplingRow(r.seq.params, r.seq.generator,
                                                  r.seq.num_output_tokens, r.seq.eos_token_id,
-                                                 r.seq.token_ids, r.seq.grammar)
+                                                 r.seq.token_ids, r.seq.grammar,
+                                                 r.seq.eos_token_ids)
                                      for r in rows])
 
     def _append_tokens(self, rows: List[StepRow], out: SamplerOutput) -> None:

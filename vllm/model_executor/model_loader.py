@@ -96,23 +96,72 @@ def load_hf_config(model_dir: str):
     return AutoConfig.from_pretrained(model_dir)
 
 
+def _safetensors_index(model_dir: str) -> Optional[str]:
+    """The folder's ``*.safetensors.index.json``: ``model.safetensors.index.json`` when there,
+    else the first (by name) that does not index a consolidated file, else None."""
+    found = sorted(glob.glob(os.path.join(model_dir, "*.safetensors.index.json")))
+    preferred = os.path.join(model_dir, "model.safetensors.index.json")
+    if preferred in found:
+        return preferred
+    plain = [f for f in found if not os.path.basename(f).startswith("consolidated")]
+    return (plain or found or [None])[0]
+
+
+def safetensors_files(model_dir: str) -> dict[str, Optional[list[str]]]:
+    """Which tensors to read from which ``*.safetensors`` file: {path: names, or None for all
+    of the file's}; empty when the folder has none. As upstream vLLM:
+      - an index names exactly the files to read (each once) and the tensors each holds (its
+        weight_map); files it does not name are not read;
+      - without one, Mistral's ``consolidated*.safetensors`` (the same weights again, in
+        Mistral's own names) are skipped when other ``*.safetensors`` files are there."""
+    import json
+    index = _safetensors_index(model_dir)
+    if index is not None:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files: dict[str, Optional[list[str]]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(os.path.join(model_dir, file), []).append(name)
+        return dict(sorted(files.items()))
+    found = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    plain = [f for f in found if not os.path.basename(f).startswith("consolidated")]
+    return dict.fromkeys(plain or found)
+
+
+def _read_safetensors(path: str, names: Optional[list[str]], device: torch.device, load,
+                      weights: Dict[str, torch.Tensor]) -> None:
+    """Add `names` (None: every tensor) of the file at `path` to `weights`; a tensor that is
+    missing, or already read from another file, is an error."""
+    from safetensors import safe_open
+    if not os.path.isfile(path):
+        raise ValueError(f"--model: the safetensors index names {path}, which is missing")
+    with safe_open(path, framework="pt", device=str(device)) as fh:
+        keys = set(fh.keys())
+        for k in (names if names is not None else sorted(keys)):
+            if k not in keys:
+                raise ValueError(f"--model: the safetensors index puts {k} in {path}, "
+                                 "which does not hold it")
+            name, t = load(k, fh.get_slice(k))
+            if name in weights:
+                raise ValueError(f"--model: tensor {name} is in more than one file ({path})")
+            weights[name] = t
+
+
 def load_state_dict(model_dir: str, device: torch.device = torch.device("cpu"),
                     dtype: Optional[torch.dtype] = None,
                     shards: Optional[TPShards] = None) -> Dict[str, torch.Tensor]:
     """Every tensor (this rank's slice of it, with `shards`) is read onto `device` and cast to
-    `dtype`, one at a time."""
+    `dtype`, one at a time, from the files `safetensors_files` picks (else ``*.bin``)."""
     def load(name, tensor):
         name = name.removeprefix("_orig_mod.")
         t = shards.take(name, tensor) if shards is not None else tensor
         t = t if isinstance(t, torch.Tensor) else t[:]
         return name, (t if dtype is None else t.to(dtype))
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     weights: Dict[str, torch.Tensor] = {}
+    files = safetensors_files(model_dir)
     if files:
-        from safetensors import safe_open
-        for f in files:
-            with safe_open(f, framework="pt", device=str(device)) as fh:
-                weights.update(load(k, fh.get_slice(k)) for k in fh.keys())
+        for f, names in files.items():
+            _read_safetensors(f, names, device, load, weights)
         return weights
     files = sorted(glob.glob(os.path.join(model_dir, "*.bin")))
     if not files:

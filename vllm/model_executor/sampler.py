@@ -13,7 +13,7 @@ asked for, are read after it): parameters go up with non-blocking copies from pi
 and top-p sorts the whole vocabulary instead of retrying with more candidates.
 """
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ class SamplingRow:                        # one per logits row
     eos_token_id: Optional[int]
     token_ids: Sequence[int] = ()         # prompt + output so far (read only for penalties)
     grammar: Optional["SequenceGrammar"] = None   # structured outputs: the tokens allowed next
+    eos_token_ids: Collection[int] = ()   # the model's other EOS ids (min_tokens masks them too)
 
 
 @dataclass
@@ -70,8 +71,9 @@ def _read_tokens(sampled: torch.Tensor) -> List[int]:
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Mask eos and stop_token_ids to -inf for rows that have not yet produced
-    min_tokens tokens. Returns a (possibly new) tensor; the input is not modified."""
+    """Mask every EOS id (eos_token_id and eos_token_ids) and stop_token_ids to -inf for rows
+    that have not yet produced min_tokens tokens. Returns a (possibly new) tensor; the input is
+    not modified."""
     vocab = logits.shape[-1]
     r_idx: List[int] = []
     t_idx: List[int] = []
@@ -79,7 +81,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
         p = row.params
         if row.num_generated >= p.min_tokens:
             continue
-        toks = set(p.stop_token_ids or ())
+        toks = set(p.stop_token_ids or ()) | set(row.eos_token_ids)
         if row.eos_token_id is not None:
             toks.add(row.eos_token_id)
         for t in toks:
