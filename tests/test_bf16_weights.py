@@ -97,14 +97,14 @@ def test_bf16_naive_evict_and_vtoken_identical(bf16_models, policy):
 def test_c_decode_layer_on_bf16_equals_the_per_op_path(bf16_models, monkeypatch):
     """The C decode layer multiplies the same bf16 panels as BF16Linear: tokens and logprobs of
     a batch (H2O: the attention mass too) equal the op-by-op path within float32 order."""
-    from vllm.model_executor.models import llama
+    from vllm.model_executor import cpu_decode
 
     llm = LLM(model=bf16_models["qwen2"], dtype="bfloat16", num_gpu_blocks_override=128,
               kv_eviction_policy="h2o", kv_budget_tokens=24, kv_min_tokens=0)
     model = _model(llm)
     in_c = []
-    c_stack = llama._c_stack
-    monkeypatch.setattr(llama, "_c_stack", lambda layers: in_c.append(1) or c_stack(layers))
+    c_stack = cpu_decode._c_stack
+    monkeypatch.setattr(cpu_decode, "_c_stack", lambda layers: in_c.append(1) or c_stack(layers))
     bands = list(model.plan.decode_layer)
     prompts = random_prompts(3, seed=8, lo=10, hi=35)
     outs = {}
@@ -166,7 +166,7 @@ def test_auto_on_a_bf16_checkpoint_runs_bf16_where_timed_faster(bf16_models, mon
 
 
 def test_auto_crossover_is_timed_on_a_bf16_model(bf16_models):
-    from vllm.model_executor.models.llama import CROSSOVER_ROWS
+    from vllm.model_executor.cpu_decode import CROSSOVER_ROWS
 
     model = _model(LLM(model=bf16_models["mistral"], num_gpu_blocks_override=64))
     assert model.quant_below in (0,) + CROSSOVER_ROWS[1:]

@@ -420,14 +420,14 @@ def test_auto_runs_the_blocks_below_the_crossover_and_float32_from_it(kquant_ggu
     assert isinstance(model.quant_layers[0].qkv, QuantLinear)
     assert isinstance(model.quant_head, QuantLinear)
 
-    from vllm.model_executor.models import llama
+    from vllm.model_executor import cpu_decode
     rows = {"blocks": [], "float32": []}       # steps run op by op (layer 0's input rows)
     for name, layer in (("blocks", model.quant_layers[0]), ("float32", model.layers[0])):
         hook = lambda module, args, name=name: rows[name].append(args[0].shape[0])  # noqa: E731
         layer.register_forward_pre_hook(hook)
     in_c = []                                  # steps run by the C decode layer: on blocks?
-    c_stack = llama._c_stack
-    monkeypatch.setattr(llama, "_c_stack", lambda layers: in_c.append(
+    c_stack = cpu_decode._c_stack
+    monkeypatch.setattr(cpu_decode, "_c_stack", lambda layers: in_c.append(
         layers is model.quant_layers) or c_stack(layers))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=5)
     prompts = [_prompt(30, seed=3)]
@@ -446,7 +446,8 @@ def test_auto_runs_the_blocks_below_the_crossover_and_float32_from_it(kquant_ggu
 
 @pytest.mark.parametrize("side", ["float32", "blocks"])
 def test_auto_drops_the_side_that_wins_no_band(kquant_gguf, monkeypatch, side):
-    from vllm.model_executor.models.llama import CROSSOVER_ROWS, Linear
+    from vllm.model_executor.cpu_decode import CROSSOVER_ROWS
+    from vllm.model_executor.layers.linear import Linear
     from vllm.model_executor.quant_linear import QuantLinear
 
     crossover = 0 if side == "float32" else CROSSOVER_ROWS[-1] + 1
@@ -465,23 +466,23 @@ def test_auto_keeps_float32_only_where_it_is_a_margin_faster(monkeypatch, float3
     import functools
     from types import SimpleNamespace
 
-    from vllm.model_executor.models import llama
+    from vllm.model_executor import cpu_decode
 
     first = 1 if float32_share == 0.5 else 16
 
     def step(m, quant):
         return 1.0 if quant or m < first else float32_share
     model = SimpleNamespace(_timed_forward=lambda m, quant: functools.partial(step, m, quant))
-    monkeypatch.setattr(llama, "_seconds", lambda call: call())
-    got = llama.LlamaForCausalLM.quant_crossover(model, repeats=3)
-    assert got == (llama.CROSSOVER_ROWS[-1] + 1 if expect is None else expect)
+    monkeypatch.setattr(cpu_decode, "_seconds", lambda call: call())
+    got = cpu_decode.CpuDecodeModel.quant_crossover(model, repeats=3)
+    assert got == (cpu_decode.CROSSOVER_ROWS[-1] + 1 if expect is None else expect)
 
 
 def test_auto_crossover_is_timed_on_the_model(kquant_gguf):
     """The real timing: a row count of CROSSOVER_ROWS, 0 or past it; the model generates."""
     from vllm import SamplingParams
     from vllm.kernels import quant_kernels
-    from vllm.model_executor.models.llama import CROSSOVER_ROWS
+    from vllm.model_executor.cpu_decode import CROSSOVER_ROWS
 
     if not quant_kernels.available():
         pytest.skip("no C compiler")
@@ -511,10 +512,10 @@ def test_c_decode_layer_on_blocks_equals_the_per_op_path(kquant_gguf, monkeypatc
     assert model.layers[0].fused.qkv_q and model.plan is not None
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompts = [_prompt(n, seed=10 + n) for n in (20, 33, 9)]
-    from vllm.model_executor.models import llama
+    from vllm.model_executor import cpu_decode
     in_c = []
-    c_stack = llama._c_stack
-    monkeypatch.setattr(llama, "_c_stack", lambda layers: in_c.append(1) or c_stack(layers))
+    c_stack = cpu_decode._c_stack
+    monkeypatch.setattr(cpu_decode, "_c_stack", lambda layers: in_c.append(1) or c_stack(layers))
     bands = list(model.plan.decode_layer)
     outs = {}
     for fused in (True, False):

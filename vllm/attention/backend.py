@@ -41,6 +41,20 @@ class PrefillSpan:
     mask: Optional[torch.Tensor]         # [q, Lk] bool (True = attend); None = plain causal
     colsum: Optional[torch.Tensor] = None  # [Lk] float32 += attention of queries >= colsum_from
     colsum_from: int = 0                 # (a policy may score with the last prompt queries only)
+    first_id: int = 0                    # logical id of the span's first query
+    key_ids: Optional[torch.Tensor] = None   # [Lk] logical ids of the view; None: 0 .. Lk - 1
+
+    def windowed(self, window: int, scores: bool) -> "PrefillSpan":
+        """This span as a sliding layer of window W reads it: query p sees the live keys with
+        p - W < id <= p. scores: it adds to the same column sums (a model with no full layer)."""
+        lk, nq = len(self.kv_slots), self.q_end - self.q_start
+        dev = self.kv_slots.device
+        ids = self.key_ids if self.key_ids is not None else torch.arange(lk, device=dev)
+        q_ids = torch.arange(self.first_id, self.first_id + nq, device=dev)[:, None]
+        mask = (ids[None, :] <= q_ids) & (ids[None, :] > q_ids - window)
+        return PrefillSpan(self.q_start, self.q_end, self.kv_slots, mask,
+                           self.colsum if scores else None, self.colsum_from, self.first_id,
+                           self.key_ids)
 
 
 @dataclass
@@ -52,6 +66,56 @@ class AttentionMetadata:
     prefills: List[PrefillSpan] = field(default_factory=list)
     decode_mass: Optional[torch.Tensor] = None       # [B, Lmax] float32 += probabilities summed
                                                      # over layers and heads; None: not collected
+    # [B] leading entries of each decode row's view outside the model's sliding window (the
+    # engine counts them from the token table); None: the views have no holes (timing steps)
+    window_skip: Optional[torch.Tensor] = None
+    _windowed: dict = field(default_factory=dict, repr=False)   # (W, scores) -> metadata
+    _window_mass: list = field(default_factory=list, repr=False)  # (mass, column index) to fold
+
+    def for_layer(self, window: Optional[int], scores: bool) -> "AttentionMetadata":
+        """What a layer with this sliding window (None: full attention) reads; scores: whether
+        its attention adds to the eviction statistics. Built once per step and window."""
+        if window is None:
+            assert scores, "full-attention layers always feed the statistics"
+            return self
+        key = (window, scores)
+        if key not in self._windowed:
+            self._windowed[key] = self._windowed_meta(window, scores)
+        return self._windowed[key]
+
+    def _windowed_meta(self, window: int, scores: bool) -> "AttentionMetadata":
+        """Decode rows read the last entries of their views: row i drops its first skip[i]
+        (keys at or before its position - W), keeping at most W:
+
+            views [[5, 9, 7, 4], [8, 3, -1, -1]], lens [4, 2], W 2, skip [2, 0]
+            -> [[7, 4], [8, 3]], lens [2, 2]
+        """
+        views, lens = self.decode_views, self.decode_lens
+        width = max(min(window, views.shape[1]), 1)
+        skip = self.window_skip
+        if skip is None:
+            skip = (lens - window).clamp(min=0)
+        cols = torch.arange(width, device=views.device)
+        idx = (skip[:, None] + cols).clamp(max=max(views.shape[1] - 1, 0))
+        win_lens = lens - skip
+        valid = cols[None, :] < win_lens[:, None]
+        win_views = torch.where(valid, views.gather(1, idx), -1) if views.numel() else \
+            views.new_full((views.shape[0], width), -1)
+        mass = None
+        if scores and self.decode_mass is not None:
+            mass = torch.zeros(win_views.shape, dtype=torch.float32, device=views.device)
+            self._window_mass.append((mass, idx))
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping, num_decodes=self.num_decodes, decode_views=win_views,
+            decode_lens=win_lens, prefills=[s.windowed(window, scores) for s in self.prefills],
+            decode_mass=mass)
+
+    def fold_window_mass(self) -> None:
+        """After the forward: the sliding layers' decode mass into decode_mass, by view
+        position (a model with no full-attention layer scores from them)."""
+        for mass, idx in self._window_mass:
+            self.decode_mass.scatter_add_(1, idx, mass)
+        self._window_mass.clear()
 
     # The torch path's form of the views, derived once per step on first use (see
     # ops.torch_decode_view): [[5, 9], [7, -1]] -> gather [[5, 9], [7, 0]], bias [[0, 0], [0, -inf]]

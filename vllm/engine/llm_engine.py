@@ -17,6 +17,7 @@ from vllm.engine.stop_checker import StopChecker
 from vllm.executor.executor_base import ExecutorBase
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.model_executor.gguf_loader import resolve_model, resolve_quantization
+from vllm.model_executor.layers.attention import attention_specs, model_window, scores_from
 from vllm.model_executor.model_loader import (BF16_WEIGHTS_ATTR, GGUF_KEEP_FLOAT32_ATTR,
                                               GGUF_QUANT_ATTR, resolve_cpu_dtype)
 from vllm.model_executor.sampler import (Sampler, SamplerOutput, SamplingRow,
@@ -108,11 +109,11 @@ class LLMEngine:
         num_blocks = self.model_executor.determine_num_kv_blocks()
         self.gpu_memory_profile: Optional[dict] = self.model_executor.gpu_memory_profile
         self.model_executor.initialize_cache(num_blocks)
+        specs = attention_specs(hf_config)
         self.kv = KVManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                            self.kv_config,
-                            hf_config.num_hidden_layers * hf_config.num_attention_heads)
+                            self.kv_config, sum(scores_from(specs)) * hf_config.num_attention_heads)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.input_builder = StepInputBuilder(self.kv.token_table)
+        self.input_builder = StepInputBuilder(self.kv.token_table, model_window(hf_config))
         self.sampler = Sampler()
         # compiles nothing (and imports no xgrammar) until a request asks for structured outputs
         self.structured_output = StructuredOutputManager(self.tokenizer, hf_config.vocab_size)

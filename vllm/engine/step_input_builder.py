@@ -79,9 +79,10 @@ class _Columns:
 
 
 class StepInputBuilder:
-    def __init__(self, token_table: TokenTable):
+    def __init__(self, token_table: TokenTable, window: Optional[int] = None):
         self.token_table = token_table
         self.translation = TranslationCache(token_table)
+        self.window = window             # the model's sliding window (layers/attention.py)
 
     def build(self, scheduled: List[Tuple[Sequence, int]], scores: Optional[ScoreRequest] = None,
               copies: Optional[CopyBatch] = None) -> Tuple[StepInput, List[StepRow]]:
@@ -101,7 +102,16 @@ class StepInputBuilder:
         # a one-token prompt chunk runs as a decode row: its scores come from the decode mass
         mass = bool(decodes) and (scores.decode or any(s.seq_id in scores.prefill_from
                                                        for s, _ in decodes))
-        return cols.step_input(len(decodes), mass, copies), rows
+        step = cols.step_input(len(decodes), mass, copies)
+        if self.window is not None and decodes:
+            step.window_skip = self._window_skip(rows[:len(decodes)])
+        return step, rows
+
+    def _window_skip(self, rows: List[StepRow]) -> np.ndarray:
+        """Per decode row, the view entries with logical id <= position - W: the keys its
+        sliding layers do not read (ids [0, 2, 5, 6, 7], position 7, W 3 -> 3)."""
+        return np.fromiter((np.searchsorted(r.view_ids, r.seq.num_computed_tokens - self.window
+                                            + 1) for r in rows), np.int64, len(rows))
 
     def _add_row(self, cols: _Columns, seq: Sequence, n: int, is_decode: bool,
                  scores: ScoreRequest) -> StepRow:

@@ -120,6 +120,54 @@ def cpu_kernels_enabled() -> bool:
     return _FORCED in (None, "cpu") and _available("cpu")
 
 
+def cpu_rows(x: torch.Tensor, width: int = 16) -> bool:
+    """Whether the C kernels take x (float32 on the CPU; their vector loops need rows of a
+    multiple of 16)."""
+    return x.dtype == torch.float32 and not x.is_cuda and width % 16 == 0 \
+        and cpu_kernels_enabled()
+
+
+# ---- norms, activations, rotary + cache write (the model library's elementwise ops) ------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N] -> x * rsqrt(mean(x^2) + eps) * weight."""
+    if x.dim() == 2 and cpu_rows(x, x.shape[-1]):
+        from vllm.kernels import cpu_kernels
+        return cpu_kernels.rms_norm(x, weight, eps)
+    # one op on CUDA; bitwise equal to x * rsqrt(mean(x^2) + eps) * weight in float32
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] -> silu(gate) * up [M, I]."""
+    if cpu_rows(gate_up, gate_up.shape[-1] // 2):
+        from vllm.kernels import cpu_kernels
+        return cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary,
+                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
+                  head_dim: int) -> torch.Tensor:
+    """qkv [T, (H + 2 KVH) D] -> rotated q [T, H, D]; rotated k and v written to kv_cache at
+    slot_mapping. An fp8 cache's keys, and the queries to match, are spread
+    (kv_quant.spread). One C call on the CPU; else rotary (the model's Rotary) + write_kv."""
+    t = qkv.shape[0]
+    if cpu_rows(qkv):
+        from vllm.kernels import cpu_kernels
+        return cpu_kernels.rope_write_kv(qkv, cos, sin, slot_mapping, kv_cache, num_heads)
+    q_size, kv_heads = num_heads * head_dim, (qkv.shape[1] // head_dim - num_heads) // 2
+    # rotate q and k heads together: [T, H + KVH, D]
+    qk = rotary(qkv[:, :q_size + kv_heads * head_dim].view(t, -1, head_dim),
+                cos[:, None], sin[:, None])
+    q, k = qk.split([num_heads, kv_heads], dim=1)
+    if kv_quant.spreads(kv_cache):
+        q, k = kv_quant.spread(q), kv_quant.spread(k)
+    v = qkv[:, q_size + kv_heads * head_dim:].view(t, kv_heads, head_dim)
+    write_kv(kv_cache, slot_mapping, k, v)
+    return q
+
+
 # ---- KV cache write -----------------------------------------------------------------------------
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, backend: Optional[str] = None) -> None:

@@ -12,14 +12,8 @@ import torch
 from transformers import AutoConfig
 
 from vllm.distributed.tp_group import TPGroup
-from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models import registry
 from vllm.model_executor.tp_shards import TPShards
-
-_ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 logger = logging.getLogger(__name__)
@@ -176,7 +170,7 @@ def dummy_state_dict(hf_config, seed: int = 0, device: torch.device = torch.devi
                      dtype: torch.dtype = torch.float32,
                      shards: Optional[TPShards] = None) -> Dict[str, torch.Tensor]:
     """Seeded random weights with the checkpoint's names and shapes (N(0, initializer_range),
-    norms 1, biases 0): paper-scale shapes run from a config.json alone. Drawn on `device` by a
+    norms the identity (the family's layer_norms / head_norms / norm_identity), biases 0): paper-scale shapes run from a config.json alone. Drawn on `device` by a
     generator there (so a CUDA model differs from a CPU one with the same seed), in float32,
     then cast. With `shards`, every rank draws the same stream and keeps its slice of each
     tensor as it is drawn."""
@@ -189,8 +183,10 @@ def dummy_state_dict(hf_config, seed: int = 0, device: torch.device = torch.devi
     def rand(*shape):
         return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
 
+    cls = model_class(c)
+
     def ones(n):
-        return torch.ones(n, device=device, dtype=dtype)
+        return torch.full((n,), cls.norm_identity, device=device, dtype=dtype)
 
     class Sharded(dict):
         def __setitem__(self, name, t):
@@ -213,20 +209,23 @@ def dummy_state_dict(hf_config, seed: int = 0, device: torch.device = torch.devi
         w[f"{p}.mlp.gate_proj.weight"] = rand(c.intermediate_size, c.hidden_size)
         w[f"{p}.mlp.up_proj.weight"] = rand(c.intermediate_size, c.hidden_size)
         w[f"{p}.mlp.down_proj.weight"] = rand(c.hidden_size, c.intermediate_size)
-        w[f"{p}.input_layernorm.weight"] = ones(c.hidden_size)
-        w[f"{p}.post_attention_layernorm.weight"] = ones(c.hidden_size)
+        for name in cls.layer_norms:
+            w[f"{p}.{name}.weight"] = ones(c.hidden_size)
+        for name in cls.head_norms:
+            w[f"{p}.{name}.weight"] = ones(head_dim)
     return dict(w)
+
+
+def model_class(hf_config) -> type:
+    """The model class of a config's architecture (models/registry.py)."""
+    return registry.resolve(getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])
 
 
 def get_model(model_dir: str, hf_config, dtype: str, max_model_len: int,
               load_format: str = "auto", seed: int = 0,
               device: torch.device = torch.device("cpu"),
               tp: Optional[TPGroup] = None) -> torch.nn.Module:
-    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
-    cls = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
-    if cls is None:
-        raise ValueError(f"--model: architecture {archs} is not supported; "
-                         f"supported: {sorted(_ARCHITECTURES)}")
+    cls = model_class(hf_config)
     device, tp = torch.device(device), tp or TPGroup()
     shards = TPShards(hf_config, tp.rank, tp.world_size) if tp.world_size > 1 else None
     if load_format == "dummy":

@@ -100,7 +100,9 @@ class CudaGraphRunner:
 
     def accepts(self, inp) -> bool:
         """Whether `run` takes this ModelInput (the runner's own steps run eagerly otherwise)."""
-        return not self.disabled and self.bucket(inp.meta, inp.input_ids.shape[0]) is not None
+        # a sliding window's views are derived per step (AttentionMetadata.for_layer): eager
+        return not self.disabled and inp.meta.window_skip is None and \
+            self.bucket(inp.meta, inp.input_ids.shape[0]) is not None
 
     # ---- one step ---------------------------------------------------------------------------
     def run(self, inp, relocation=None) -> torch.Tensor:

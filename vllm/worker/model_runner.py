@@ -64,6 +64,8 @@ class ModelRunner:
         if step.decode_mass:
             meta.decode_mass = torch.zeros(decode_views.shape, dtype=torch.float32,
                                            device=self.device)
+        if len(step.window_skip):
+            meta.window_skip = to_device(step.window_skip, self.device)
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta, step=step,
                           views=views)
 
@@ -92,13 +94,13 @@ class ModelRunner:
                       view_slots: np.ndarray) -> PrefillSpan:
         """view_ids are read only where needs_mask()."""
         slots = to_device(view_slots.astype(np.int64, copy=False), self.device)
-        mask = None
+        mask = ids = None
         if needs_mask(computed, n, len(view_slots)):
             # query at logical id p sees live keys with id <= p
             ids = to_device(view_ids.astype(np.int64, copy=False), self.device)
             q_ids = torch.arange(computed, computed + n, device=self.device)
             mask = ids[None, :] <= q_ids[:, None]
-        return PrefillSpan(start, start + n, slots, mask)
+        return PrefillSpan(start, start + n, slots, mask, first_id=computed, key_ids=ids)
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInput):
         """-> (logits of step.sample_indices, logits of step.prompt_logit_spans or None). In a
@@ -121,6 +123,7 @@ class ModelRunner:
             hidden = self.graphs.run(inp, relocation)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            inp.meta.fold_window_mass()
         if self.device.type == "cuda":
             inp.host_stats = self._start_stats_copy(inp.meta)
         return hidden

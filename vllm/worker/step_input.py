@@ -68,6 +68,9 @@ class StepInput:
     # logical ids of the views of the prompt chunks that need_mask(), in row order (the mask:
     # a query at logical id p sees the live keys with id <= p)
     mask_view_ids: np.ndarray = field(default_factory=_ints)
+    # [num_decodes] per decode row, the leading entries of its view (logical ids <= its
+    # position - W) that the model's sliding layers of window W do not read; empty: no window
+    window_skip: np.ndarray = field(default_factory=_ints)
     # ---- score request: which attention statistics to collect ----
     decode_mass: bool = False                  # attention mass of every decode row over its view
     colsum_from: np.ndarray = field(default_factory=_ints)     # [R - num_decodes] first scored
