@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints (Llama, Mistral, Qwen2) built with transformers."""
+"""Shared fixtures: tiny random checkpoints (Llama, Mistral, Qwen2; Qwen3, Gemma 3 and a Mistral
+with a 12-token window) built with transformers."""
 import os
 
 import pytest
@@ -122,3 +123,63 @@ def hf_greedy(model_dir: str, prompts, max_new_tokens: int):
                                min_new_tokens=max_new_tokens, pad_token_id=0)
             outs.append(g[0, len(p):].tolist())
     return outs
+
+
+# ---- families beyond the Llama layer (tests/test_model_families.py) ----------------------------
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _randomize_norms(model, around: float) -> None:
+    """Every norm weight drawn around `around` (1 for x * w norms, 0 for Gemma's x * (1 + w))."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(around + 0.3 * torch.randn(p.shape, generator=g))
+
+
+def build_family_model(path: str, family: str) -> str:
+    import transformers
+    torch.manual_seed(3)
+    if family == "qwen3":            # head_dim 32 != hidden / heads (16)
+        cfg = transformers.Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32,
+                                       tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 20000.0})
+        model = transformers.Qwen3ForCausalLM(cfg)
+        _randomize_norms(model, 1.0)
+    elif family == "gemma3":         # two full layers among six, window 8, distinct RoPEs
+        cfg = transformers.Gemma3TextConfig(
+            **COMMON, num_hidden_layers=6, head_dim=32, sliding_window=8,
+            query_pre_attn_scalar=24, rms_norm_eps=1e-6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 100000.0},
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": 10000.0}})
+        model = transformers.Gemma3ForCausalLM(cfg)
+        _randomize_norms(model, 0.0)
+        with torch.no_grad():        # tied and scaled by sqrt(hidden): keep it small
+            model.model.embed_tokens.weight.mul_(0.1)
+    elif family == "mistral-w12":
+        cfg = transformers.MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=12,
+                                         tie_word_embeddings=False)
+        model = transformers.MistralForCausalLM(cfg)
+        _randomize_norms(model, 1.0)
+    else:
+        raise ValueError(family)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+FAMILIES = ["qwen3", "gemma3", "mistral-w12"]
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: build_family_model(str(root / f), f) for f in FAMILIES}

@@ -359,9 +359,11 @@ def test_cpu_rope_and_kv_write_match_torch(isa, t):
 
 
 # ---- the load-time choice (vllm/kernels/cpu_kernel_plan.py) and the model's use of it ------------------
-def _layer_scene(seed=0, m=5, hidden=64, heads=4, kv_heads=2, d=16, inter=96, context=40):
-    """One decoder layer's config and weights, and a decode step of m rows over `context`
-    cached keys each: (cfg, weights, x, positions, kv_cache, meta)."""
+def _layer_scene(seed=0, m=5, hidden=64, heads=4, kv_heads=2, d=16, inter=96, context=40,
+                 qk_norm=False):
+    """One decoder layer's config and weights (qk_norm: Qwen3's per-head q/k norms too), and a
+    decode step of m rows over `context` cached keys each: (cfg, weights, x, positions,
+    kv_cache, meta)."""
     from types import SimpleNamespace
     from vllm.attention.backend import AttentionMetadata
     g = torch.Generator().manual_seed(seed)
@@ -374,6 +376,9 @@ def _layer_scene(seed=0, m=5, hidden=64, heads=4, kv_heads=2, d=16, inter=96, co
     w = {f"l.{n}.weight": torch.randn(*s, generator=g) * 0.2 for n, s in shapes.items()}
     w.update({f"l.{n}.weight": 1 + 0.1 * torch.randn(hidden, generator=g)
               for n in ("input_layernorm", "post_attention_layernorm")})
+    if qk_norm:
+        w.update({f"l.self_attn.{n}.weight": 1 + 0.3 * torch.randn(d, generator=g)
+                  for n in ("q_norm", "k_norm")})
     w.update({f"l.self_attn.{n}_proj.bias": torch.randn(s[0], generator=g) * 0.1
               for n, s in zip("qkv", (shapes["self_attn.q_proj"], shapes["self_attn.k_proj"],
                                       shapes["self_attn.v_proj"]))})
@@ -675,11 +680,12 @@ def test_small_models_take_the_c_path_untimed(monkeypatch):
 
 @cpu_built
 @pytest.mark.parametrize("gemm", ["c", "torch"])
-def test_decode_layer_matches_the_torch_path(isa, monkeypatch, gemm):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decode_layer_matches_the_torch_path(isa, monkeypatch, gemm, qk_norm):
     """The fused C layer (VLLM_CPU_GEMM=c) or the per-op path on x @ Wt, against the layer's
-    pure torch path (C kernels off, as VLLM_KERNEL_BACKEND=torch)."""
+    pure torch path (C kernels off, as VLLM_KERNEL_BACKEND=torch); with Qwen3's q/k norm too."""
     from vllm.model_executor.models.llama import DecoderLayer, Rotary
-    cfg, w, x, positions, kv, meta = _layer_scene()
+    cfg, w, x, positions, kv, meta = _layer_scene(qk_norm=qk_norm)
     rotary = Rotary(16, 128, 10000.0, {"rope_type": "default"}, torch.float32)
     cos, sin = rotary.cos[positions], rotary.sin[positions]
     with ops.forced_backend("torch"):

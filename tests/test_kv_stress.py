@@ -12,7 +12,8 @@ request run alone, without prefix caching: batching, chunking, the prefix cache 
 reclamation mode never change what a request computes. Preemption may (see README).
 
 The same harness runs with tensor parallelism (TP=2, fewer examples, copies landing at once:
-the delayed executor is a single-process hook), each request compared with its TP=1 solo run.
+the delayed executor is a single-process hook), each request compared with its TP=1 solo run. Examples draw the model too: the Llama, or one
+with sliding-window layers (Gemma 3's hybrid stack, Mistral's window on every layer).
 """
 from typing import Dict, List, Tuple
 
@@ -27,11 +28,15 @@ from vllm.worker.relocation import DelayedRelocationExecutor
 POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv",
             "knorm", "keydiff"]
 MODES = ["none", "vtoken", "vtoken-fill"]
+# the model each example runs: Llama, Gemma 3 (sliding and full layers, window 8), Mistral with
+# a 12-token window on every layer
+MODELS = ["llama", "llama", "gemma3", "mistral-w12"]
 MAX_STEPS = 4000
 EXAMPLES = 80
 TP_EXAMPLES = 6
 OPS = {"count": 0, "steps": 0, "identical": 0, "preemptions": 0, "aborts": 0,
-       "cache_hit_blocks": 0, "relocations": 0, "exhausted": 0, "tp2_identical": 0}
+       "cache_hit_blocks": 0, "relocations": 0, "exhausted": 0, "tp2_identical": 0,
+       "models": set()}
 
 configs = st.fixed_dictionaries({
     "kv_eviction_policy": st.sampled_from(POLICIES),
@@ -159,9 +164,13 @@ def one_thread():
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(cfg=configs, delay=st.integers(0, 3), program=st.lists(op, min_size=30, max_size=60))
-def test_random_traffic_keeps_invariants_and_solo_identity(tiny_llama, cfg, delay, program):
-    play(Traffic(tiny_llama, cfg, delay), program)
+@given(cfg=configs, delay=st.integers(0, 3), program=st.lists(op, min_size=30, max_size=60),
+       model=st.sampled_from(MODELS))
+def test_random_traffic_keeps_invariants_and_solo_identity(tiny_llama, family_models, cfg, delay,
+                                                           program, model):
+    path = tiny_llama if model == "llama" else family_models[model]
+    OPS["models"].add(model)
+    play(Traffic(path, cfg, delay), program)
 
 
 @settings(max_examples=TP_EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -211,3 +220,4 @@ def test_harness_ran_enough_operations():
     # the mix really happened: identity checked, preemption, aborts, hits and copies seen
     assert min(OPS[k] for k in ("identical", "preemptions", "aborts", "cache_hit_blocks",
                                 "relocations", "tp2_identical")) > 0, OPS
+    assert OPS["models"] == set(MODELS), OPS

@@ -5,69 +5,12 @@ missing (1 + w) fails), windows small and prompts longer than them."""
 import pytest
 import torch
 
-from tests.conftest import VOCAB, _tokenizer, hf_greedy, random_prompts
+from tests.conftest import COMMON, FAMILIES, _tokenizer, hf_greedy, random_prompts
 from vllm import LLM, SamplingParams
 from vllm.config import EVICTION_POLICIES
 from vllm.kernels import ops
 
 MAX_NEW = 24
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-def _randomize_norms(model, around: float) -> None:
-    """Every norm weight drawn around `around` (1 for x * w norms, 0 for Gemma's x * (1 + w))."""
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(around + 0.3 * torch.randn(p.shape, generator=g))
-
-
-def build_family_model(path: str, family: str) -> str:
-    import transformers
-    torch.manual_seed(3)
-    if family == "qwen3":            # head_dim 32 != hidden / heads (16)
-        cfg = transformers.Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32,
-                                       tie_word_embeddings=False,
-                                       rope_parameters={"rope_type": "default",
-                                                        "rope_theta": 20000.0})
-        model = transformers.Qwen3ForCausalLM(cfg)
-        _randomize_norms(model, 1.0)
-    elif family == "gemma3":         # two full layers among six, window 8, distinct RoPEs
-        cfg = transformers.Gemma3TextConfig(
-            **COMMON, num_hidden_layers=6, head_dim=32, sliding_window=8,
-            query_pre_attn_scalar=24, rms_norm_eps=1e-6,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                         "sliding_attention", "sliding_attention", "full_attention"],
-            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
-                                                "rope_theta": 100000.0},
-                             "sliding_attention": {"rope_type": "default",
-                                                   "rope_theta": 10000.0}})
-        model = transformers.Gemma3ForCausalLM(cfg)
-        _randomize_norms(model, 0.0)
-        with torch.no_grad():        # tied and scaled by sqrt(hidden): keep it small
-            model.model.embed_tokens.weight.mul_(0.1)
-    elif family == "mistral-w12":
-        cfg = transformers.MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=12,
-                                         tie_word_embeddings=False)
-        model = transformers.MistralForCausalLM(cfg)
-        _randomize_norms(model, 1.0)
-    else:
-        raise ValueError(family)
-    model.save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    return path
-
-
-FAMILIES = ["qwen3", "gemma3", "mistral-w12"]
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: build_family_model(str(root / f), f) for f in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +156,15 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     _tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="Gemma3ForCausalLM"):
         LLM(str(tmp_path), load_format="dummy")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_tensor_parallel_matches_one_process(family_models, prompts, references, family):
+    """TP = 2 (heads 4, KV heads 2 divide): per-head norms whole on every rank, Gemma's
+    post-attention / post-feedforward norms after the all-reduce; eviction on, vToken."""
+    from tests.test_tensor_parallel import EVICT, run
+    one, _ = run(family_models[family], 1, kv_eviction_policy="h2o", **EVICT)
+    two, stats = run(family_models[family], 2, kv_eviction_policy="h2o", **EVICT)
+    assert two == one and stats["evicted_tokens"] > 0
+    got, _ = _generate(family_models[family], prompts, tensor_parallel_size=2)
+    assert got == references[family]

@@ -950,6 +950,7 @@ typedef struct {
   const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *down;   /* GEMMs packed */
   const vtok_qweight *qkv_q, *o_q, *gate_up_q, *down_q;   /* or, where not NULL, in blocks */
   int64_t bf16;           /* 1: the packed GEMMs hold bf16 (vtok_packed_gemm_bf16) */
+  const float *q_norm, *k_norm;   /* per-head RMSNorm of q and k before RoPE (NULL: none) */
 } vtok_layer;
 
 /* y = x @ W (+ bias) (+ residual) with W packed (float32, or bf16 where L->bf16) or, given qw,
@@ -986,6 +987,11 @@ int vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos
   float *gate_up = attn + M * HD, *act = gate_up + M * 2 * I, *probs = act + M * I;
   vtok_rms_norm(x, M, E, L->ln1, L->eps, h);
   if (layer_gemm(L, h, M, E, L->qkv, L->qkv_q, QKV, L->qkv_bias, NULL, qkv, prefetch)) return -1;
+  if (L->q_norm)          /* each head a row of D: normed in place (a row is read, then written) */
+    for (int64_t m = 0; m < M; m++) {
+      vtok_rms_norm(qkv + m * QKV, H, D, L->q_norm, L->eps, qkv + m * QKV);
+      vtok_rms_norm(qkv + m * QKV + HD, KVH, D, L->k_norm, L->eps, qkv + m * QKV + HD);
+    }
   vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q, fmt, k_scale, v_scale,
                      SPREADS(fmt));
   vtok_decode_attention(q, kv, views, ld_views, lens, M, H, KVH, D, L->scale, probs, lmax, attn,

@@ -62,7 +62,8 @@ class LayerWeights(ctypes.Structure):
                                             "gate_up", "down")),
                 *((name, ctypes.POINTER(BlockWeight))
                   for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
-                ("bf16", _i64)]          # 1: the packed GEMMs hold bf16 (pack_weight(bf16=))
+                ("bf16", _i64),          # 1: the packed GEMMs hold bf16 (pack_weight(bf16=))
+                ("q_norm", _ptr), ("k_norm", _ptr)]     # per-head q/k RMSNorm (Qwen3), or None
 
 
 def _cpu_model() -> str:

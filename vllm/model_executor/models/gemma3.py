@@ -43,7 +43,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             if getattr(cfg, name, None) is not None:
                 raise ValueError(f"--model: Gemma {name}={getattr(cfg, name)} is not supported")
         super().__init__(cfg, *args, **kwargs)
-        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=self.embed.dtype)
 
     def prepare_weights(self, w: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         return {k: (gemma_weight(v).to(v.dtype) if k.endswith("norm.weight") else v)
@@ -53,4 +52,5 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return self.config.query_pre_attn_scalar ** -0.5
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super()._embed(input_ids) * self.embed_scale.to(self.embed.device)
+        x = super()._embed(input_ids)
+        return x * x.new_tensor(self.config.hidden_size ** 0.5)     # in the embedding's dtype

@@ -100,10 +100,9 @@ class DecoderLayer(nn.Module):
     def _fused_weights(self, intermediate: int) -> Optional[cpu_kernels.LayerWeights]:
         """The C decode layer's view of this layer, where every piece of it runs in C (a GEMM
         packed in float32 or bf16, all four alike, or kept in GGUF blocks) and the layer is the
-        Llama layer (no q/k norm, SiLU, two norms)."""
+        Llama layer (SiLU, two norms; a per-head q/k norm runs in C too)."""
         linears = (self.qkv, self.o, self.gate_up, self.down)
-        if type(self).forward is not DecoderLayer.forward or self.q_norm is not None or \
-                self.act != "silu":
+        if type(self).forward is not DecoderLayer.forward or self.act != "silu":
             return None
         if any(lin.packed is None and not isinstance(lin, QuantLinear) for lin in linears) or \
                 any(n % 16 for n in (self.head_dim, self.ln1.numel(), intermediate)):
@@ -121,7 +120,8 @@ class DecoderLayer(nn.Module):
             o=ptr(self.o.packed), o_bias=ptr(self.o.bias), ln2=ptr(self.ln2),
             gate_up=ptr(self.gate_up.packed), down=ptr(self.down.packed),
             qkv_q=blocks(self.qkv), o_q=blocks(self.o), gate_up_q=blocks(self.gate_up),
-            down_q=blocks(self.down), bf16=int(True in bf16))
+            down_q=blocks(self.down), bf16=int(True in bf16), q_norm=ptr(self.q_norm),
+            k_norm=ptr(self.k_norm))
 
     def forward(self, x, cos, sin, rotary, kv_cache, meta: AttentionMetadata):
         h = rms_norm(x, self.ln1, self.eps)
