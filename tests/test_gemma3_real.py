@@ -67,7 +67,8 @@ def test_native_blocks_within_kl_of_float32(gemma_file, float32_llm):
 
 
 def test_naive_evict_equals_vtoken_on_the_hybrid_stack(gemma_file):
-    prompt = "Write a long story about a dragon who learns to paint. " * 12
+    """Past the 512-token window, so the sliding subgroups free blocks as it moves."""
+    prompt = "Write a long story about a dragon who learns to paint. " * 50
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for mode in ("none", "vtoken"):
@@ -76,6 +77,10 @@ def test_naive_evict_equals_vtoken_on_the_hybrid_stack(gemma_file):
                   num_gpu_blocks_override=128)
         outs[mode] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         assert llm.get_kv_stats()["evicted_tokens"] > 0
+        # hybrid groups: 3 full layers' pages a block, 5 sliding subgroups of 3 layers
+        sliding = llm.llm_engine.kv.sliding
+        assert (sliding.num_groups, sliding.window) == (5, 512)
+        assert llm.llm_engine.model_executor.driver_worker.kv_caches.shape[0] == 3
     assert outs["none"] == outs["vtoken"]
 
 

@@ -2,6 +2,7 @@
 `sliding_window`, Gemma's per-layer types): greedy tokens identical to transformers in float32
 on tiny random checkpoints whose every norm weight is randomized (a missing multiply or a
 missing (1 + w) fails), windows small and prompts longer than them."""
+import numpy as np
 import pytest
 import torch
 
@@ -65,9 +66,11 @@ def test_shared_prefix_hits_give_the_tokens_of_a_miss(family_models, family):
     assert llm.llm_engine.kv.bm.pool.num_free == llm.llm_engine.kv.bm.num_blocks
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral-w12"])
-def test_preemption_matches_transformers(family_models, prompts, references, family):
-    got, llm = _generate(family_models[family], prompts, num_gpu_blocks_override=14,
+@pytest.mark.parametrize("family,blocks", [("gemma3", 18), ("mistral-w12", 14)])
+def test_preemption_matches_transformers(family_models, prompts, references, family, blocks):
+    """A pool too small for the batch (Gemma's blocks hold its 2 full layers' pages, its
+    sliding windows 2 x 2 blocks a request)."""
+    got, llm = _generate(family_models[family], prompts, num_gpu_blocks_override=blocks,
                          block_size=8)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert got == references[family]
@@ -168,3 +171,136 @@ def test_tensor_parallel_matches_one_process(family_models, prompts, references,
     assert two == one and stats["evicted_tokens"] > 0
     got, _ = _generate(family_models[family], prompts, tensor_parallel_size=2)
     assert got == references[family]
+
+
+# ---- hybrid KV groups (layers/attention.py KVGroups, core/sliding_window_blocks.py) -----------
+def test_kv_groups_worked_example():
+    import transformers
+    from vllm.model_executor.layers.attention import ONE_KV_GROUP_ATTR, kv_groups
+    cfg = transformers.Gemma3TextConfig(num_hidden_layers=18, sliding_window=512)
+    g = kv_groups(cfg)
+    assert (g.num_tensors, g.num_sliding_groups, g.window) == (3, 5, 512)
+    assert [i for i, k in enumerate(g.layer_group) if k == 0] == [5, 11, 17]
+    assert [g.layer_tensor[i] for i in (5, 11, 17)] == [0, 1, 2]
+    assert [i for i, k in enumerate(g.layer_group) if k == 2] == [3, 4, 6]
+    # every tensor holds one layer of every group: no two layers of a group share one
+    for k in range(6):
+        tensors = [t for t, kk in zip(g.layer_tensor, g.layer_group) if kk == k]
+        assert sorted(tensors) == list(range(3))
+    setattr(cfg, ONE_KV_GROUP_ATTR, True)
+    assert kv_groups(cfg).num_tensors == 18 and not kv_groups(cfg).hybrid
+    mistral = transformers.MistralConfig(num_hidden_layers=4, sliding_window=12)
+    assert not kv_groups(mistral).hybrid          # all sliding: one group, windowed views
+
+
+def test_sliding_window_blocks_worked_example():
+    from vllm.core.block_pool import BlockPool
+    from vllm.core.sliding_window_blocks import SlidingWindowBlocks
+    pool = BlockPool(32)
+    sw = SlidingWindowBlocks(pool, block_size=4, window=8, num_groups=2)
+    assert sw.blocks_needed("a", 0, 14) == 4 * 2
+    sw.allocate("a", 0, 14)                       # a 14-token prompt chunk: ids 0..13
+    assert sw.num_blocks_of("a") == 4 and pool.num_free == 32 - 8
+    slots = sw.slots("a", np.array([0, 5, 13]))
+    assert slots.shape == (3, 2) and (slots % 4 == np.array([[0], [1], [1]])).all()
+    sw.release_behind("a", 14)                    # next query 14 sees ids >= 7: block 0 goes
+    assert sw.num_blocks_of("a") == 3 and pool.num_free == 32 - 6
+    for pos in range(14, 40):                     # decode: never more than ceil(8 / 4) + 1
+        sw.allocate("a", pos, 1)
+        sw.release_behind("a", pos + 1)
+        assert sw.num_blocks_of("a") <= sw.max_blocks_per_request() == 3
+        sw.check_invariants("a", pos + 1)
+    sw.free("a")
+    assert pool.num_free == 32 and sw.held == 0
+
+
+def test_hybrid_sliding_blocks_stay_bounded_every_step(family_models):
+    """Gemma 3 (window 8, block 4): every step, every running request holds at most
+    ceil(W / B) + 1 blocks per sliding subgroup once decoding, none behind its window; the
+    pool's accounting counts both groups; the tokens are transformers'."""
+    llm = LLM(family_models["gemma3"], block_size=4, num_gpu_blocks_override=256,
+              kv_check_invariants=True)
+    eng = llm.llm_engine
+    sw = eng.kv.sliding
+    assert sw is not None and sw.num_groups == 2 and sw.window == 8
+    assert eng.model_executor.driver_worker.kv_caches.shape[0] == 2      # g = 2 full layers
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = random_prompts(3, seed=4, lo=20, hi=40)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), {"prompt_token_ids": p}, params)
+    peak = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.check_invariants()
+        for seq in eng.kv.seqs.values():
+            if seq.num_computed_tokens > len(seq.prompt_token_ids):
+                assert sw.num_blocks_of(seq.seq_id) <= sw.max_blocks_per_request()
+            peak = max(peak, sw.num_blocks_of(seq.seq_id))
+        assert eng.get_kv_stats()["sliding_window_blocks"] == sw.held
+    assert sw.held == 0 and eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
+    assert peak == sw.max_blocks_per_request()         # the bound is reached, never passed
+
+
+def test_one_kv_group_gives_the_same_tokens(family_models, prompts, references):
+    """--disable-hybrid-kv-cache-manager: every layer full-size in one group, windows as view
+    conditions; prefix caching takes hits again; the same tokens. Its KV costs 6 layers a
+    token where the hybrid groups cost the 2 full layers' (and a window's worth per request)."""
+    got, llm = _generate(family_models["gemma3"], prompts, num_gpu_blocks_override=256,
+                         disable_hybrid_kv_cache_manager=True)
+    assert got == references["gemma3"]
+    assert llm.llm_engine.kv.sliding is None
+    one = llm.get_kv_stats()["kv_bytes_per_token"]
+    _, hybrid = _generate(family_models["gemma3"], prompts[:1], num_gpu_blocks_override=256)
+    assert hybrid.get_kv_stats()["kv_bytes_per_token"] * 3 == one
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """Gemma3ForConditionalGeneration (4B and up): the engine runs the text model, its
+    weights read from under language_model (the vision tower never read); tokens equal
+    transformers' multimodal model on text-only prompts."""
+    import transformers
+    from tests.conftest import _randomize_norms
+    torch.manual_seed(3)
+    text = dict(COMMON, num_hidden_layers=6, head_dim=32, sliding_window=8,
+                query_pre_attn_scalar=24)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=5, boi_token_index=6, eoi_token_index=7)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    _randomize_norms(model.model.language_model, 0.0)
+    with torch.no_grad():
+        model.model.language_model.embed_tokens.weight.mul_(0.1)
+    model.save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    prompts = random_prompts(3, seed=9, lo=15, hi=30)
+    ref = hf_greedy(str(tmp_path), prompts, MAX_NEW)
+    got, llm = _generate(str(tmp_path), prompts, num_gpu_blocks_override=128)
+    assert got == ref
+    assert llm.llm_engine.model_config.hf_config.architectures == ["Gemma3ForCausalLM"]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral-w12"])
+def test_triton_kernels_read_the_windows(family_models, family):
+    """VLLM_KERNEL_BACKEND=triton under the interpreter (tests/test_device.py's run): every
+    decode and KV write goes through the Triton kernels, windows and hybrid groups included;
+    tokens equal transformers (Native) and the CPU path (H2O + vToken)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from tests.test_device import _TRITON_RUN, ROOT
+    model = family_models[family]
+    prompts = random_prompts(2, seed=3, lo=20, hi=30)
+    env = dict(os.environ, TRITON_INTERPRET="1", VLLM_KERNEL_BACKEND="triton", PYTHONPATH=ROOT)
+    run = subprocess.run([sys.executable, "-c", _TRITON_RUN, model, json.dumps(prompts), "8"],
+                         env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.split("RESULT", 1)[1])
+    assert got["decode_backend"] == "triton" and got["calls"]["decode_attention"] > 0
+    assert got["native"] == hf_greedy(model, prompts, 8)
+    cpu = LLM(model, num_gpu_blocks_override=64, kv_eviction_policy="h2o", kv_min_tokens=0,
+              block_size=4, kv_reclamation="vtoken", kv_frag_threshold=0.0)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = cpu.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert got["vtoken"] == [r.outputs[0].token_ids for r in ref]

@@ -69,12 +69,19 @@ class AttentionMetadata:
     # [B] leading entries of each decode row's view outside the model's sliding window (the
     # engine counts them from the token table); None: the views have no holes (timing steps)
     window_skip: Optional[torch.Tensor] = None
+    # a hybrid model's sliding subgroups (layers/attention.py KVGroups): what subgroup k + 1's
+    # layers read (their own slots and views over the window); None: one KV group
+    sliding: Optional[List["AttentionMetadata"]] = None
     _windowed: dict = field(default_factory=dict, repr=False)   # (W, scores) -> metadata
     _window_mass: list = field(default_factory=list, repr=False)  # (mass, column index) to fold
 
-    def for_layer(self, window: Optional[int], scores: bool) -> "AttentionMetadata":
+    def for_layer(self, window: Optional[int], scores: bool,
+                  group: int = 0) -> "AttentionMetadata":
         """What a layer with this sliding window (None: full attention) reads; scores: whether
-        its attention adds to the eviction statistics. Built once per step and window."""
+        its attention adds to the eviction statistics; group: its KV group (k >= 1: sliding
+        subgroup k of a hybrid model, which reads its own blocks). Built once per step."""
+        if group and self.sliding is not None:
+            return self.sliding[group - 1]
         if window is None:
             assert scores, "full-attention layers always feed the statistics"
             return self

@@ -80,12 +80,13 @@ class BlockManager:
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
     # ---- waiting -> running -----------------------------------------------------------------
-    def can_allocate(self, hits: List[int], num_new_tokens: int) -> bool:
-        return self.allocate_shortfall(hits, num_new_tokens) == 0
+    def can_allocate(self, hits: List[int], num_new_tokens: int, extra: int = 0) -> bool:
+        return self.allocate_shortfall(hits, num_new_tokens, extra) == 0
 
-    def allocate_shortfall(self, hits: List[int], num_new_tokens: int) -> int:
-        """Blocks missing to admit a request (0: it fits)."""
-        needed = cdiv(num_new_tokens, self.block_size)
+    def allocate_shortfall(self, hits: List[int], num_new_tokens: int, extra: int = 0) -> int:
+        """Blocks missing to admit a request (0: it fits); extra: more it needs from the pool
+        (a hybrid model's sliding-window blocks)."""
+        needed = cdiv(num_new_tokens, self.block_size) + extra
         return max(needed - (self.pool.num_free - self.pool.num_free_among(hits)), 0)
 
     def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
@@ -109,12 +110,15 @@ class BlockManager:
         spill = num_new_tokens - num_holes - self.token_table.tail_free(seq.seq_id)
         return cdiv(max(spill, 0), self.block_size)
 
-    def can_append(self, seq: Sequence, num_new_tokens: int, num_holes: int = 0) -> bool:
-        return self.append_shortfall(seq, num_new_tokens, num_holes) == 0
+    def can_append(self, seq: Sequence, num_new_tokens: int, num_holes: int = 0,
+                   extra: int = 0) -> bool:
+        return self.append_shortfall(seq, num_new_tokens, num_holes, extra) == 0
 
-    def append_shortfall(self, seq: Sequence, num_new_tokens: int, num_holes: int = 0) -> int:
-        """Blocks missing for a running request to append (0: it fits)."""
-        return max(self.blocks_to_append(seq, num_new_tokens, num_holes) - self.pool.num_free, 0)
+    def append_shortfall(self, seq: Sequence, num_new_tokens: int, num_holes: int = 0,
+                         extra: int = 0) -> int:
+        """Blocks missing for a running request to append (0: it fits); extra as above."""
+        return max(self.blocks_to_append(seq, num_new_tokens, num_holes) + extra -
+                   self.pool.num_free, 0)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int,
                      holes: Optional[np.ndarray] = None) -> None:
@@ -157,9 +161,10 @@ class BlockManager:
         self.peak_used = max(self.peak_used, self.pool.num_used)
 
     # ---- invariants -------------------------------------------------------------------------
-    def check_accounting(self, running: Seq[Sequence] = ()) -> None:
+    def check_accounting(self, running: Seq[Sequence] = (), other_owned: int = 0) -> None:
+        """other_owned: pool blocks held outside the sequences' block lists (sliding windows)."""
         self.pool.check_accounting()
-        owned = sum(len(s.block_ids) for s in running)
+        owned = sum(len(s.block_ids) for s in running) + other_owned
         refs = int(self.pool.ref_cnt.sum())
         assert owned == refs, f"block accounting broken: sequences own {owned}, refs {refs}"
 

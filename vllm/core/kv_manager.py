@@ -20,6 +20,7 @@ from vllm.core.eviction_driver import EvictionDriver
 from vllm.core.kv_monitor import KVMonitor
 from vllm.core.reclaim.backend import CopyBatch, ReclamationBackend
 from vllm.core.reclaim.hole_filler import HoleFiller
+from vllm.core.sliding_window_blocks import SlidingWindowBlocks
 from vllm.core.step_stats import ScoreRequest, StepStats
 from vllm.sequence import Sequence
 
@@ -30,9 +31,14 @@ RELIEVE_AHEAD_TOKENS = 2
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 config: KVEvictionConfig, num_layer_heads: int):
+                 config: KVEvictionConfig, num_layer_heads: int,
+                 sliding: Optional[Tuple[int, int]] = None):
+        """sliding: (window, subgroups) of a hybrid model's sliding-window layers, whose blocks
+        come from the same pool (SlidingWindowBlocks); None: every layer in the one group."""
         self.config = config
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.sliding = SlidingWindowBlocks(self.bm.pool, block_size, *sliding) if sliding \
+            else None
         self.token_table = self.bm.token_table
         self.seqs: Dict[str, Sequence] = {}         # sequences holding KV
         self.reclaimer = ReclamationBackend(config, self.bm) if config.reclaims else None
@@ -57,16 +63,27 @@ class KVManager:
     def computed_blocks(self, seq: Sequence) -> List[int]:
         if seq.params.prompt_logprobs is not None:
             return []     # (upstream too) every prompt position must run to score the prompt
+        if self.sliding is not None:
+            return []     # a hit would need the sliding layers' window before it (not kept)
         return self.bm.computed_blocks(seq, self.eviction.max_cache_hits(seq))
 
+    def _sliding_need(self, seq: Sequence, first: int, num_new_tokens: int) -> int:
+        if self.sliding is None:
+            return 0
+        return self.sliding.blocks_needed(seq.seq_id, first, num_new_tokens)
+
     def can_allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> bool:
-        return self.bm.can_allocate(hits, num_new_tokens)
+        return self.allocate_shortfall(seq, hits, num_new_tokens) == 0
 
     def allocate_shortfall(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> int:
-        return self.bm.allocate_shortfall(hits, num_new_tokens)
+        return self.bm.allocate_shortfall(
+            hits, num_new_tokens, self._sliding_need(seq, len(hits) * self.block_size,
+                                                     num_new_tokens))
 
     def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
         self.bm.allocate(seq, hits, num_new_tokens)
+        if self.sliding is not None:
+            self.sliding.allocate(seq.seq_id, seq.num_computed_tokens, num_new_tokens)
         self.seqs[seq.seq_id] = seq
         seq.clean_tokens = None
         self.eviction.on_admit(seq)
@@ -74,12 +91,14 @@ class KVManager:
     def chunk_bound(self, seq: Sequence) -> Optional[int]:
         """Most tokens the next prefill chunk may take (None: no bound): up to the next multiple
         of the request's --kv-prefill-chunk (any request: fixed chunk positions), and in an
-        evicting re-prefill after preemption at most a quarter of the pool, so that a request
-        that outgrew the pool stays within it."""
+        evicting re-prefill after preemption at most a quarter of the pool (with its sliding
+        windows' blocks), so that a request that outgrew the pool stays within it."""
         chunk = self.eviction.config_of(seq).prefill_chunk
         bound = None if chunk is None else chunk - seq.num_computed_tokens % chunk
         if seq.num_preemptions and self.eviction.evicts(seq):
-            quarter = max(self.block_size, self.num_blocks // 4 * self.block_size)
+            # a chunk also takes a block per sliding subgroup for each of its logical blocks
+            pages = 1 + (self.sliding.num_groups if self.sliding else 0)
+            quarter = max(self.block_size, self.num_blocks // (4 * pages) * self.block_size)
             bound = quarter if bound is None else min(bound, quarter)
         return bound
 
@@ -88,12 +107,13 @@ class KVManager:
         return self.filler.holes(seq, n) if self.filler else None
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        holes = self._holes(seq, num_new_tokens)
-        return self.bm.can_append(seq, num_new_tokens, 0 if holes is None else len(holes))
+        return self.append_shortfall(seq, num_new_tokens) == 0
 
     def append_shortfall(self, seq: Sequence, num_new_tokens: int) -> int:
         holes = self._holes(seq, num_new_tokens)
-        return self.bm.append_shortfall(seq, num_new_tokens, 0 if holes is None else len(holes))
+        return self.bm.append_shortfall(
+            seq, num_new_tokens, 0 if holes is None else len(holes),
+            self._sliding_need(seq, seq.num_computed_tokens, num_new_tokens))
 
     def relieve(self, shortfall: int) -> int:
         """The pool is `shortfall` blocks short: plan repacking (any plan that frees a block)
@@ -114,6 +134,7 @@ class KVManager:
                 holes = self._holes(seq, RELIEVE_AHEAD_TOKENS)
                 need += self.bm.blocks_to_append(seq, RELIEVE_AHEAD_TOKENS,
                                                  0 if holes is None else len(holes))
+                need += self._sliding_need(seq, seq.num_computed_tokens, RELIEVE_AHEAD_TOKENS)
         if need > self.bm.num_free_blocks:
             self.relieve(need - self.bm.num_free_blocks)
 
@@ -126,6 +147,8 @@ class KVManager:
         self.bm.append_slots(seq, num_new_tokens, holes)
         if holes is not None:
             self.filler.slots_reused += len(holes)
+        if self.sliding is not None:
+            self.sliding.allocate(seq.seq_id, seq.num_computed_tokens, num_new_tokens)
 
     def free(self, seq: Sequence) -> None:
         """Finish, abort or preemption: every block and the token table go back."""
@@ -135,6 +158,8 @@ class KVManager:
         if self.reclaimer:
             self.reclaimer.drop(seq)
         self.bm.free(seq)
+        if self.sliding is not None:
+            self.sliding.free(seq.seq_id)
         del self.seqs[seq.seq_id]
 
     def take_copies(self) -> Optional[CopyBatch]:
@@ -159,6 +184,8 @@ class KVManager:
         for r in stats.rows:
             self.bm.cache_full_blocks(r.seq)
             self.eviction.after_step(r)
+            if self.sliding is not None:        # the window moved past them
+                self.sliding.release_behind(r.seq.seq_id, r.seq.num_computed_tokens)
         if self.reclaimer:
             self.reclaimer.plan_step(list(self.seqs.values()))
             self._relieve_ahead()
@@ -174,6 +201,7 @@ class KVManager:
         stats["prefix_cache_hit_blocks"] = self.bm.cache_hit_blocks
         stats["prefix_cache_queries"] = self.bm.cache_query_tokens
         stats["prefix_cache_hits"] = self.bm.cache_hit_tokens
+        stats["sliding_window_blocks"] = self.sliding.held if self.sliding else 0
         stats.update(self.reclaimer.stats() if self.reclaimer else ReclamationBackend.idle_stats())
         return stats
 
@@ -182,7 +210,10 @@ class KVManager:
         for seq in self.seqs.values():
             self.token_table.check_invariants(seq.seq_id, seq.block_ids)
             self.bm.check_prefix_cache(seq)
-        self.bm.check_accounting(list(self.seqs.values()))
+            if self.sliding is not None:
+                self.sliding.check_invariants(seq.seq_id, seq.num_computed_tokens)
+        self.bm.check_accounting(list(self.seqs.values()),
+                                 self.sliding.held if self.sliding else 0)
         tables = set(self.token_table.request_ids())
         assert tables == set(self.seqs), \
             f"token tables {sorted(tables - set(self.seqs))} outlive their requests"

@@ -37,6 +37,7 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     kv_cache_dtype: str = "auto"           # auto = the model's precision (kv_quant.resolve)
     calculate_kv_scales: bool = False      # fp8: per-layer K/V scales from the first prefill
+    disable_hybrid_kv_cache_manager: bool = False   # sliding layers keep full-size KV
     enable_chunked_prefill: bool = True
     seed: int = 0
     enforce_eager: bool = False
@@ -104,6 +105,10 @@ class EngineArgs:
         add("--calculate-kv-scales", action="store_true",
             help="fp8 KV cache: each layer's K and V scales from its first write (the first "
                  "prefill's amax, with 2x headroom) instead of 1.0")
+        add("--disable-hybrid-kv-cache-manager", action="store_true",
+            help="a model with sliding-window and full-attention layers (Gemma 3): keep every "
+                 "layer's KV at full size in one group instead of giving the sliding layers "
+                 "window-sized block tables of their own (those take no prefix-cache hits)")
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
         add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         add("--seed", type=int, default=0)

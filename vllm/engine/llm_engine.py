@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Optional, Union
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 
 from vllm.attention import kv_quant
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -17,9 +17,11 @@ from vllm.engine.stop_checker import StopChecker
 from vllm.executor.executor_base import ExecutorBase
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.model_executor.gguf_loader import resolve_model, resolve_quantization
-from vllm.model_executor.layers.attention import attention_specs, model_window, scores_from
+from vllm.model_executor.layers.attention import (ONE_KV_GROUP_ATTR, attention_specs,
+                                                  kv_groups, model_window, scores_from)
 from vllm.model_executor.model_loader import (BF16_WEIGHTS_ATTR, GGUF_KEEP_FLOAT32_ATTR,
-                                              GGUF_QUANT_ATTR, resolve_cpu_dtype)
+                                              GGUF_QUANT_ATTR, load_hf_config,
+                                              resolve_cpu_dtype)
 from vllm.model_executor.sampler import (Sampler, SamplerOutput, SamplingRow,
                                          compute_prompt_logprobs)
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -69,13 +71,15 @@ class LLMEngine:
         quantization, quant_file = resolve_quantization(args.model, args.quantization)
         model_dir = resolve_model(args.model)
         self.tokenizer = self._load_tokenizer(args.tokenizer or model_dir, args.load_format)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = load_hf_config(model_dir)          # a multimodal model's text config
         self.hf_config = hf_config
         # the model's EOS ids beside the tokenizer's: each ends a request (as upstream)
         self.eos_token_ids = generation_eos_token_ids(model_dir, hf_config)
         if quantization == "gguf":      # get_model reads them on every rank
             setattr(hf_config, GGUF_QUANT_ATTR, quant_file)
             setattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, args.quantization == "auto")
+        if args.disable_hybrid_kv_cache_manager:
+            setattr(hf_config, ONE_KV_GROUP_ATTR, True)
         max_len = args.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
         self.simulated = args.load_format == "simulate"
         self.device_config = DeviceConfig(self._device(args))
@@ -109,11 +113,14 @@ class LLMEngine:
         num_blocks = self.model_executor.determine_num_kv_blocks()
         self.gpu_memory_profile: Optional[dict] = self.model_executor.gpu_memory_profile
         self.model_executor.initialize_cache(num_blocks)
-        specs = attention_specs(hf_config)
+        self.kv_bytes_per_token = self.block_bytes() // args.block_size
+        specs, groups = attention_specs(hf_config), kv_groups(hf_config)
         self.kv = KVManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                            self.kv_config, sum(scores_from(specs)) * hf_config.num_attention_heads)
+                            self.kv_config, sum(scores_from(specs)) * hf_config.num_attention_heads,
+                            (groups.window, groups.num_sliding_groups) if groups.hybrid else None)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.input_builder = StepInputBuilder(self.kv.token_table, model_window(hf_config))
+        self.input_builder = StepInputBuilder(self.kv.token_table, model_window(hf_config),
+                                              self.kv.sliding)
         self.sampler = Sampler()
         # compiles nothing (and imports no xgrammar) until a request asks for structured outputs
         self.structured_output = StructuredOutputManager(self.tokenizer, hf_config.vocab_size)
@@ -410,6 +417,8 @@ class LLMEngine:
         stats = self.kv.stats()
         stats["translation_rebuilds"] = self.input_builder.rebuilds
         stats["preemptions"] = self.scheduler.num_preemptions
+        # one token's KV in the pool's group (a hybrid model's full layers; one rank's heads)
+        stats["kv_bytes_per_token"] = self.kv_bytes_per_token
         stats.update(self.model_executor.relocation_stats())
         return stats
 

@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from vllm.core.sliding_window_blocks import SlidingWindowBlocks
 from vllm.core.step_stats import ScoreRequest, SeqStepStats, StepStats
 from vllm.core.token_table import TokenTable
 from vllm.engine.translation_cache import TranslationCache
@@ -79,10 +80,14 @@ class _Columns:
 
 
 class StepInputBuilder:
-    def __init__(self, token_table: TokenTable, window: Optional[int] = None):
+    def __init__(self, token_table: TokenTable, window: Optional[int] = None,
+                 sliding: Optional[SlidingWindowBlocks] = None):
+        """window: the model's sliding window (layers/attention.py); sliding: a hybrid model's
+        sliding-window blocks (then its sliding layers read those, not the token table's)."""
         self.token_table = token_table
         self.translation = TranslationCache(token_table)
-        self.window = window             # the model's sliding window (layers/attention.py)
+        self.window = window
+        self.sliding = sliding
 
     def build(self, scheduled: List[Tuple[Sequence, int]], scores: Optional[ScoreRequest] = None,
               copies: Optional[CopyBatch] = None) -> Tuple[StepInput, List[StepRow]]:
@@ -103,9 +108,28 @@ class StepInputBuilder:
         mass = bool(decodes) and (scores.decode or any(s.seq_id in scores.prefill_from
                                                        for s, _ in decodes))
         step = cols.step_input(len(decodes), mass, copies)
-        if self.window is not None and decodes:
+        if self.sliding is not None:
+            self._add_sliding(step, rows)
+        elif self.window is not None and decodes:
             step.window_skip = self._window_skip(rows[:len(decodes)])
         return step, rows
+
+    def _add_sliding(self, step: StepInput, rows: List[StepRow]) -> None:
+        """Each row's sliding-window view (ids max(0, first query - W + 1) .. its last new
+        token) and its new tokens' slots, in every sliding subgroup."""
+        first, lens, slots, views = [], [], [], []
+        for r in rows:
+            c, sid = r.seq.num_computed_tokens, r.seq.seq_id
+            lo = max(c - self.window + 1, 0)
+            ids = np.arange(lo, c + r.num_new)
+            view = self.sliding.slots(sid, ids)
+            first.append(lo)
+            lens.append(len(ids))
+            views.append(view)
+            slots.append(view[c - lo:])
+        step.sliding_first, step.sliding_lens = _ints(first), _ints(lens)
+        step.sliding_slot_mapping, step.sliding_views = np.concatenate(slots), \
+            np.concatenate(views)
 
     def _window_skip(self, rows: List[StepRow]) -> np.ndarray:
         """Per decode row, the view entries with logical id <= position - W: the keys its

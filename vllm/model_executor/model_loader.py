@@ -87,7 +87,8 @@ def _block_weights(hf_config, dtype: str, device: torch.device, tp: TPGroup,
 
 
 def load_hf_config(model_dir: str):
-    return AutoConfig.from_pretrained(model_dir)
+    """The config the engine runs (a multimodal checkpoint's text config: registry)."""
+    return registry.text_config(AutoConfig.from_pretrained(model_dir))
 
 
 def _safetensors_index(model_dir: str) -> Optional[str]:
@@ -135,7 +136,10 @@ def _read_safetensors(path: str, names: Optional[list[str]], device: torch.devic
             if k not in keys:
                 raise ValueError(f"--model: the safetensors index puts {k} in {path}, "
                                  "which does not hold it")
-            name, t = load(k, fh.get_slice(k))
+            loaded = load(k, fh.get_slice(k))
+            if loaded is None:
+                continue
+            name, t = loaded
             if name in weights:
                 raise ValueError(f"--model: tensor {name} is in more than one file ({path})")
             weights[name] = t
@@ -143,11 +147,18 @@ def _read_safetensors(path: str, names: Optional[list[str]], device: torch.devic
 
 def load_state_dict(model_dir: str, device: torch.device = torch.device("cpu"),
                     dtype: Optional[torch.dtype] = None,
-                    shards: Optional[TPShards] = None) -> Dict[str, torch.Tensor]:
+                    shards: Optional[TPShards] = None,
+                    text_only: bool = False) -> Dict[str, torch.Tensor]:
     """Every tensor (this rank's slice of it, with `shards`) is read onto `device` and cast to
-    `dtype`, one at a time, from the files `safetensors_files` picks (else ``*.bin``)."""
+    `dtype`, one at a time, from the files `safetensors_files` picks (else ``*.bin``).
+    text_only: a multimodal checkpoint's text model, renamed (registry.text_weight_name); the
+    other tensors are never read."""
     def load(name, tensor):
         name = name.removeprefix("_orig_mod.")
+        if text_only:
+            name = registry.text_weight_name(name)
+            if name is None:
+                return None
         t = shards.take(name, tensor) if shards is not None else tensor
         t = t if isinstance(t, torch.Tensor) else t[:]
         return name, (t if dtype is None else t.to(dtype))
@@ -162,7 +173,7 @@ def load_state_dict(model_dir: str, device: torch.device = torch.device("cpu"),
         raise ValueError(f"--model: no *.safetensors or *.bin weights in {model_dir}")
     for f in files:   # mmap: a rank's slices are read, not the whole file
         part = torch.load(f, map_location=device, weights_only=True, mmap=True)
-        weights.update(load(k, v) for k, v in part.items())
+        weights.update(filter(None, (load(k, v) for k, v in part.items())))
     return weights
 
 
@@ -170,7 +181,8 @@ def dummy_state_dict(hf_config, seed: int = 0, device: torch.device = torch.devi
                      dtype: torch.dtype = torch.float32,
                      shards: Optional[TPShards] = None) -> Dict[str, torch.Tensor]:
     """Seeded random weights with the checkpoint's names and shapes (N(0, initializer_range),
-    norms the identity (the family's layer_norms / head_norms / norm_identity), biases 0): paper-scale shapes run from a config.json alone. Drawn on `device` by a
+    norms the identity (the family's layer_norms / head_norms / norm_identity), biases 0):
+    paper-scale shapes run from a config.json alone. Drawn on `device` by a
     generator there (so a CUDA model differs from a CPU one with the same seed), in float32,
     then cast. With `shards`, every rank draws the same stream and keeps its slice of each
     tensor as it is drawn."""
@@ -231,7 +243,8 @@ def get_model(model_dir: str, hf_config, dtype: str, max_model_len: int,
     if load_format == "dummy":
         weights = dummy_state_dict(hf_config, seed, device, DTYPES[dtype], shards)
     else:
-        weights = load_state_dict(model_dir, device, DTYPES[dtype], shards)
+        weights = load_state_dict(model_dir, device, DTYPES[dtype], shards,
+                                  getattr(hf_config, registry.TEXT_OF_MULTIMODAL_ATTR, False))
     quant, keep_float32 = _block_weights(hf_config, dtype, device, tp, load_format, weights)
     with torch.no_grad():
         if quant:

@@ -102,6 +102,7 @@ class CudaGraphRunner:
         """Whether `run` takes this ModelInput (the runner's own steps run eagerly otherwise)."""
         # a sliding window's views are derived per step (AttentionMetadata.for_layer): eager
         return not self.disabled and inp.meta.window_skip is None and \
+            inp.meta.sliding is None and \
             self.bucket(inp.meta, inp.input_ids.shape[0]) is not None
 
     # ---- one step ---------------------------------------------------------------------------

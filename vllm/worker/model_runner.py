@@ -40,8 +40,11 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, max_tokens: int,
-                 max_seqs: int, max_model_len: int):
+                 max_seqs: int, max_model_len: int, window: Optional[int] = None):
+        """window: the sliding window of a hybrid model's sliding subgroups (their views are
+        built from StepInput.sliding_*), else None."""
         self.model = model
+        self.window = window
         self.kv_caches = kv_caches
         self.device = kv_caches.device
         self.views = ViewStore()
@@ -66,6 +69,8 @@ class ModelRunner:
                                            device=self.device)
         if len(step.window_skip):
             meta.window_skip = to_device(step.window_skip, self.device)
+        if step.sliding_views.size:
+            meta.sliding = self._sliding_metas(step)
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta, step=step,
                           views=views)
 
@@ -101,6 +106,35 @@ class ModelRunner:
             q_ids = torch.arange(computed, computed + n, device=self.device)
             mask = ids[None, :] <= q_ids[:, None]
         return PrefillSpan(start, start + n, slots, mask, first_id=computed, key_ids=ids)
+
+    def _sliding_metas(self, step: StepInput) -> List[AttentionMetadata]:
+        """Per sliding subgroup, its metadata: the new tokens' slots in its blocks, decode rows'
+        views over their windows ([B, Wmax], -1 padded), prompt chunks' spans masked to the
+        window on logical ids (the views are contiguous ids from sliding_first)."""
+        lens, first, b = step.sliding_lens, step.sliding_first, step.num_decodes
+        starts = np.cumsum(lens) - lens
+        width = max(int(lens[:b].max()) if b else 1, 1)
+        cols = np.arange(width)
+        valid = cols[None, :] < lens[:b, None]
+        at = np.where(valid, starts[:b, None] + cols[None, :], 0)
+        tok_starts = np.cumsum(step.num_new) - step.num_new
+        dev, metas = self.device, []
+        for k in range(step.sliding_views.shape[1]):
+            views = np.ascontiguousarray(step.sliding_views[:, k])
+            spans = []
+            for j in range(b, step.num_rows):
+                s0, n = int(tok_starts[j]), int(step.num_new[j])
+                lo, ln = int(first[j]), int(lens[j])
+                span = PrefillSpan(s0, s0 + n, to_device(views[starts[j]:starts[j] + ln], dev),
+                                   None, first_id=int(step.positions[s0]),
+                                   key_ids=torch.arange(lo, lo + ln, device=dev))
+                spans.append(span.windowed(self.window, scores=False))
+            metas.append(AttentionMetadata(
+                slot_mapping=to_device(np.ascontiguousarray(step.sliding_slot_mapping[:, k]),
+                                       dev),
+                num_decodes=b, decode_views=to_device(np.where(valid, views[at], -1), dev),
+                decode_lens=to_device(np.ascontiguousarray(lens[:b]), dev), prefills=spans))
+        return metas
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInput):
         """-> (logits of step.sample_indices, logits of step.prompt_logit_spans or None). In a

@@ -71,6 +71,13 @@ class StepInput:
     # [num_decodes] per decode row, the leading entries of its view (logical ids <= its
     # position - W) that the model's sliding layers of window W do not read; empty: no window
     window_skip: np.ndarray = field(default_factory=_ints)
+    # a hybrid model's sliding-window subgroups (layers/attention.py KVGroups), whose views are
+    # contiguous logical ids and go whole: per row the ids first .. its last new token, each
+    # subgroup's slots side by side ([., K]); empty: one KV group
+    sliding_slot_mapping: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int64))
+    sliding_first: np.ndarray = field(default_factory=_ints)      # [R] first id of each view
+    sliding_lens: np.ndarray = field(default_factory=_ints)       # [R]
+    sliding_views: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int64))
     # ---- score request: which attention statistics to collect ----
     decode_mass: bool = False                  # attention mass of every decode row over its view
     colsum_from: np.ndarray = field(default_factory=_ints)     # [R - num_decodes] first scored

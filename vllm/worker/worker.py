@@ -29,6 +29,7 @@ from vllm import huge_pages
 from vllm.attention import kv_quant
 from vllm.config import VllmConfig
 from vllm.distributed.tp_group import TPGroup
+from vllm.model_executor.layers.attention import kv_groups
 from vllm.model_executor.model_loader import DTYPES, get_model
 from vllm.worker.cuda_graph_runner import CudaGraphRunner
 from vllm.worker.input_buffers import patch_chunk
@@ -106,10 +107,16 @@ class Worker:
         return kv_quant.cache_dtype(self.config.cache_config.kv_cache_dtype,
                                     DTYPES[self.config.model_config.dtype])
 
+    @property
+    def kv_groups(self):
+        """How the layers share the pool (one page per KV tensor: layers/attention.py)."""
+        return kv_groups(self.model.config)
+
     def block_bytes(self) -> int:
+        """One block: a page in each KV tensor (every layer; a hybrid model's full layers)."""
         cfg = self.model.config
         elem = torch.finfo(self.kv_dtype).bits // 8
-        return (cfg.num_hidden_layers * 2 * self.num_kv_heads * cfg.head_dim * elem
+        return (self.kv_groups.num_tensors * 2 * self.num_kv_heads * cfg.head_dim * elem
                 * self.config.cache_config.block_size)
 
     def determine_num_kv_blocks(self) -> int:
@@ -162,15 +169,17 @@ class Worker:
         same everywhere), and what reads it: the model runner, CUDA graphs, relocation."""
         c = self.config
         cfg, block_size = self.model.config, c.cache_config.block_size
+        groups = self.kv_groups
         shape = (1, num_blocks * block_size, 2, 1, 1) if self.simulated else \
-            (cfg.num_hidden_layers, num_blocks * block_size, 2, self.num_kv_heads, cfg.head_dim)
+            (groups.num_tensors, num_blocks * block_size, 2, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = huge_pages.zeros(shape, self.kv_dtype) if self.device.type == "cpu" \
             else torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         if kv_quant.is_fp8(self.kv_caches):
             kv_quant.register(self.kv_caches, c.cache_config.calculate_kv_scales)
         sc = c.scheduler_config
         self.model_runner = ModelRunner(self.model, self.kv_caches, sc.max_num_batched_tokens,
-                                        sc.max_num_seqs, sc.max_model_len)
+                                        sc.max_num_seqs, sc.max_model_len,
+                                        groups.window if groups.hybrid else None)
         # CUDA graphs capture one rank's kernels; with tensor parallelism the all-reduces
         # between them run eagerly (capturing NCCL collectives is not done here)
         if self.device.type == "cuda" and not c.model_config.enforce_eager \

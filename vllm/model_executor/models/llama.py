@@ -27,7 +27,8 @@ from vllm.kernels import cpu_kernel_plan, cpu_kernels, ops
 from vllm.kernels.cpu_kernel_plan import KernelPlan
 from vllm.model_executor.cpu_decode import CpuDecodeModel
 from vllm.model_executor.layers.activation import act_mul, gated_activation
-from vllm.model_executor.layers.attention import FULL, AttentionSpec, attention_specs, scores_from
+from vllm.model_executor.layers.attention import (FULL, AttentionSpec, attention_specs,
+                                                  kv_groups, scores_from)
 from vllm.model_executor.layers.layernorm import rms_norm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary_embedding import Rotary, rope_parameters
@@ -57,16 +58,18 @@ class DecoderLayer(nn.Module):
                  quant: Optional[Dict[str, QuantWeight]] = None,
                  dense: Optional["DecoderLayer"] = None,
                  spec: AttentionSpec = AttentionSpec(FULL, None), scores: bool = True,
-                 scale: Optional[float] = None):
+                 scale: Optional[float] = None, group: int = 0):
         """dense: the float32 twin of a layer built with `quant`; the GEMMs not kept in blocks
         are shared with it, not copied. spec: its attention (window, rotary table); scores:
-        whether its attention feeds the eviction statistics; scale: of q.k (head_dim^-0.5)."""
+        whether its attention feeds the eviction statistics; scale: of q.k (head_dim^-0.5);
+        group: its KV group (layers/attention.py KVGroups; 0: full attention)."""
         super().__init__()
         self.plan, self.tp = plan, tp
         self.num_heads, self.num_kv_heads = local_heads(cfg, tp)
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.window, self.rope, self.scores = spec.sliding_window, spec.layer_type, scores
+        self.group = group
         self.act = gated_activation(getattr(cfg, "hidden_activation", None) or
                                     getattr(cfg, "hidden_act", "silu"))
         qkv_b = None
@@ -134,11 +137,11 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(h)
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv)
+        meta = meta.for_layer(self.window, self.scores, self.group)   # its slots and views
         q = ops.rope_write_kv(qkv, cos, sin, rotary, meta.slot_mapping, kv_cache,
                               self.num_heads, self.head_dim)
         decode_path = self.plan.attention_path(meta.num_decodes) if self.plan else None
-        attn = paged_attention(q, kv_cache, meta.for_layer(self.window, self.scores),
-                               self.scale, decode_path)
+        attn = paged_attention(q, kv_cache, meta, self.scale, decode_path)
         return attn.reshape(h.shape[0], self.q_size)
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -179,7 +182,7 @@ class LlamaForCausalLM(CpuDecodeModel):
         if getattr(cfg, "head_dim", None) is None:
             cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.config, self.tp = cfg, tp or TPGroup()
-        self.specs = attention_specs(cfg)
+        self.specs, self.kv_groups = attention_specs(cfg), kv_groups(cfg)
         self.num_heads, self.num_kv_heads = local_heads(cfg, self.tp)   # this rank's
         w = self.prepare_weights({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
@@ -222,11 +225,11 @@ class LlamaForCausalLM(CpuDecodeModel):
     def build_layers(self, quant: Optional[Dict[str, QuantWeight]],
                      dense: Optional[nn.ModuleList] = None,
                      arena: Optional[WeightArena] = None) -> nn.ModuleList:
-        scoring = scores_from(self.specs)
+        scoring, groups = scores_from(self.specs), self.kv_groups.layer_group
         return nn.ModuleList(
             self.layer_class(self.config, self._weights, f"model.layers.{i}", self.plan, arena,
                              self.tp, quant, dense[i] if dense is not None else None, spec,
-                             scoring[i], self.attention_scale())
+                             scoring[i], self.attention_scale(), groups[i])
             for i, spec in enumerate(self.specs))
 
     @staticmethod
@@ -261,9 +264,10 @@ class LlamaForCausalLM(CpuDecodeModel):
         layers = self.layers_for(x.shape[0])
         if self.all_in_c(layers, meta, x.shape[0]):
             return self.decode_in_c(layers, x, *tables[layers[0].rope], kv_caches, meta)
+        tensors = self.kv_groups.layer_tensor        # a hybrid model's layers share tensors
         for i, layer in enumerate(layers):
             cos, sin = tables[layer.rope]
-            x = layer(x, cos, sin, self.rotaries[layer.rope], kv_caches[i], meta)
+            x = layer(x, cos, sin, self.rotaries[layer.rope], kv_caches[tensors[i]], meta)
         return rms_norm(x, self.norm, self.eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ layer-head's probabilities over the visible keys sum to 1, so each query row sum
 """
 import torch
 
+from vllm.model_executor.layers.attention import attention_specs, scores_from
+
 TABLE_BITS = 20
 SINK_BOOST = 30.0          # attention sinks: the first token draws a large share of attention
 IMPORTANCE_SIGMA = 1.5     # log-normal spread of key importance (heavy hitters)
@@ -31,7 +33,9 @@ class SimulatedModel:
             hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
         self.config = hf_config
         self.vocab = hf_config.vocab_size
-        self.layer_heads = hf_config.num_hidden_layers * hf_config.num_attention_heads
+        # the layer-heads whose attention the statistics sum (a hybrid model's full layers)
+        self.layer_heads = sum(scores_from(attention_specs(hf_config))) * \
+            hf_config.num_attention_heads
         g = torch.Generator().manual_seed(seed)
         size = 1 << TABLE_BITS
         self.importance = torch.empty(size).log_normal_(0.0, IMPORTANCE_SIGMA, generator=g)

@@ -1,0 +1,100 @@
+"""SlidingWindowBlocks: the sliding subgroups' blocks of a hybrid model (layers/attention.py
+KVGroups), drawn from the same BlockPool as the full-attention group.
+
+Per request a table [logical block, subgroup] -> pool block (-1: none): logical block j holds
+ids j*B .. j*B + B - 1 in every sliding subgroup. Tokens are never evicted or relocated here:
+a block is freed once every query to come is past it, its last id <= next position - W:
+
+    W 8, B 4, next position 14: queries see ids >= 7, so blocks 0 (ids 0-3) go and block 1
+    (ids 4-7, id 7 still seen) stays; a decode step then holds ceil(W / B) + 1 = 3 blocks
+
+A prompt chunk takes blocks for all its ids (its queries read them) and gives back those behind
+its last query's window after the step. No prefix-cache hits: a hit would need the blocks of
+the window before it, which are not kept (KVManager.computed_blocks).
+"""
+from typing import Dict
+
+import numpy as np
+
+from vllm.core.block_pool import BlockPool
+
+
+class SlidingWindowBlocks:
+    def __init__(self, pool: BlockPool, block_size: int, window: int, num_groups: int):
+        self.pool, self.block_size, self.window, self.num_groups = pool, block_size, window, \
+            num_groups
+        self.tables: Dict[str, np.ndarray] = {}     # seq id -> [logical blocks, groups] int64
+        self.held = 0                               # pool blocks held, all requests
+
+    def max_blocks_per_request(self) -> int:
+        """Blocks per subgroup a request holds after a decode step, at most."""
+        return -(-self.window // self.block_size) + 1
+
+    # ---- check / commit ----------------------------------------------------------------------
+    def blocks_needed(self, seq_id: str, first: int, num_new: int) -> int:
+        """Pool blocks the ids first .. first + num_new - 1 need that the request lacks."""
+        if num_new <= 0:
+            return 0
+        lo, hi = first // self.block_size, (first + num_new - 1) // self.block_size
+        table = self.tables.get(seq_id)
+        have = 0 if table is None else int((table[lo:hi + 1, 0] >= 0).sum())
+        return (hi - lo + 1 - have) * self.num_groups
+
+    def allocate(self, seq_id: str, first: int, num_new: int) -> None:
+        """Blocks for the ids first .. first + num_new - 1 (the step's new tokens)."""
+        if num_new <= 0:
+            return
+        hi = (first + num_new - 1) // self.block_size
+        table = self.tables.get(seq_id)
+        if table is None or len(table) <= hi:
+            grown = np.full((max(hi + 1, 2 * (0 if table is None else len(table))),
+                             self.num_groups), -1, np.int64)
+            if table is not None:
+                grown[:len(table)] = table
+            self.tables[seq_id] = table = grown
+        missing = np.flatnonzero(table[first // self.block_size:hi + 1, 0] < 0) + \
+            first // self.block_size
+        if len(missing):
+            blocks = self.pool.allocate(len(missing) * self.num_groups)
+            table[missing] = np.asarray(blocks, np.int64).reshape(len(missing), self.num_groups)
+            self.held += len(blocks)
+
+    def release_behind(self, seq_id: str, next_position: int) -> None:
+        """Free the blocks no query from next_position on can see (last id <= next - W)."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return
+        behind = max((next_position - self.window + 1) // self.block_size, 0)
+        rows = np.flatnonzero(table[:behind, 0] >= 0)
+        if len(rows):
+            self.pool.release(table[rows].ravel().tolist())
+            self.held -= rows.size * self.num_groups
+            table[rows] = -1
+
+    def free(self, seq_id: str) -> None:
+        table = self.tables.pop(seq_id, None)
+        if table is not None:
+            blocks = table[table >= 0]
+            self.pool.release(blocks.tolist())
+            self.held -= blocks.size
+
+    # ---- what the step reads -----------------------------------------------------------------
+    def slots(self, seq_id: str, ids: np.ndarray) -> np.ndarray:
+        """[len(ids), groups] slots of these logical ids in each subgroup (held blocks only)."""
+        table = self.tables[seq_id]
+        blocks = table[ids // self.block_size]
+        assert (blocks >= 0).all(), f"{seq_id}: sliding ids {ids[:4]}... have no block"
+        return blocks * self.block_size + (ids % self.block_size)[:, None]
+
+    def num_blocks_of(self, seq_id: str) -> int:
+        table = self.tables.get(seq_id)
+        return 0 if table is None else int((table[:, 0] >= 0).sum())
+
+    def check_invariants(self, seq_id: str, next_position: int) -> None:
+        """No block behind the window of the next query, at most ceil(W / B) + 1 after a step
+        that ended in a decode position, and held counts the pool's references."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return
+        behind = max((next_position - self.window + 1) // self.block_size, 0)
+        assert (table[:behind] < 0).all(), f"{seq_id}: a sliding block behind the window"
