@@ -74,7 +74,7 @@ def test_naive_evict_equals_vtoken_on_the_hybrid_stack(gemma_file):
     for mode in ("none", "vtoken"):
         llm = LLM(gemma_file, kv_eviction_policy="h2o", kv_budget_tokens=64, kv_min_tokens=0,
                   kv_reclamation=mode, kv_frag_threshold=0.0, kv_check_invariants=True,
-                  num_gpu_blocks_override=128)
+                  num_gpu_blocks_override=512)   # a request's windows alone: 5 x 33 blocks
         outs[mode] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         assert llm.get_kv_stats()["evicted_tokens"] > 0
         # hybrid groups: 3 full layers' pages a block, 5 sliding subgroups of 3 layers

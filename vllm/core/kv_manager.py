@@ -90,14 +90,19 @@ class KVManager:
 
     def chunk_bound(self, seq: Sequence) -> Optional[int]:
         """Most tokens the next prefill chunk may take (None: no bound): up to the next multiple
-        of the request's --kv-prefill-chunk (any request: fixed chunk positions), and in an
-        evicting re-prefill after preemption at most a quarter of the pool (with its sliding
-        windows' blocks), so that a request that outgrew the pool stays within it."""
+        of the request's --kv-prefill-chunk (any request: fixed chunk positions), on a hybrid
+        model at most half the pool (with the chunk's sliding-window blocks), and in an
+        evicting re-prefill after preemption at most a quarter of it, so that a request that
+        outgrew the pool stays within it."""
         chunk = self.eviction.config_of(seq).prefill_chunk
         bound = None if chunk is None else chunk - seq.num_computed_tokens % chunk
+        # a chunk also takes a block per sliding subgroup for each of its logical blocks, all
+        # held while it runs: a hybrid model's chunks take at most half the pool
+        pages = 1 + (self.sliding.num_groups if self.sliding else 0)
+        if self.sliding is not None:
+            half = max(self.block_size, self.num_blocks // (2 * pages) * self.block_size)
+            bound = half if bound is None else min(bound, half)
         if seq.num_preemptions and self.eviction.evicts(seq):
-            # a chunk also takes a block per sliding subgroup for each of its logical blocks
-            pages = 1 + (self.sliding.num_groups if self.sliding else 0)
             quarter = max(self.block_size, self.num_blocks // (4 * pages) * self.block_size)
             bound = quarter if bound is None else min(bound, quarter)
         return bound
