@@ -110,6 +110,18 @@ def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40):
     return [torch.randint(3, VOCAB, (L,), generator=g).tolist() for L in lens]
 
 
+def prompt_kls(ref, got):
+    """Per prompt position after the first, KL(ref || got) of the next-token distributions two
+    runs' prompt logprobs give (their common top-k ids, renormalised)."""
+    kls = []
+    for r, g in zip(ref[1:], got[1:]):
+        ids = sorted(set(r) & set(g))
+        p = torch.tensor([r[i].logprob for i in ids]).softmax(0)
+        q = torch.tensor([g[i].logprob for i in ids]).softmax(0)
+        kls.append(float((p * (p.log() - q.log())).sum()))
+    return kls
+
+
 def hf_greedy(model_dir: str, prompts, max_new_tokens: int):
     """Reference: transformers generate, float32, one prompt at a time (no padding)."""
     import transformers

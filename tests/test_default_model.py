@@ -4,6 +4,7 @@ blocks run natively; by default ("auto") both, by batch size as timed at load.""
 import pytest
 import torch
 
+from tests.conftest import prompt_kls
 from vllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.default_model
@@ -57,12 +58,7 @@ def test_quantized_logits_close_to_float32(llm, quant_llm):
     prompt = "The capital of France is Paris, and the capital of Germany is"
     ref = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
     got = quant_llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
-    kls = []
-    for r, g in zip(ref[1:], got[1:]):
-        ids = sorted(set(r) & set(g))
-        p = torch.tensor([r[i].logprob for i in ids]).softmax(0)
-        q = torch.tensor([g[i].logprob for i in ids]).softmax(0)
-        kls.append(float((p * (p.log() - q.log())).sum()))
+    kls = prompt_kls(ref, got)
     assert max(kls) < 1e-3, kls
 
 

@@ -6,6 +6,7 @@ the hybrid stack keeps Naive-Evict = vToken; `vllm serve` answers through the Op
 import pytest
 import torch
 
+from tests.conftest import prompt_kls
 from vllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.default_model
@@ -54,12 +55,7 @@ def test_native_blocks_within_kl_of_float32(gemma_file, float32_llm):
     prompt = "The capital of France is Paris, and the capital of Germany is Berlin. The"
     ref = float32_llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
     got = quant.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
-    kls = []
-    for r, g in zip(ref[1:], got[1:]):
-        ids = sorted(set(r) & set(g))
-        p = torch.tensor([r[i].logprob for i in ids]).softmax(0)
-        q = torch.tensor([g[i].logprob for i in ids]).softmax(0)
-        kls.append(float((p * (p.log() - q.log())).sum()))
+    kls = prompt_kls(ref, got)
     assert max(kls) < 2e-2, kls
     out = quant.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8),
                          use_tqdm=False)[0]
