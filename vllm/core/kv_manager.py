@@ -45,7 +45,7 @@ class KVManager:
         # always there: a request may bring its own policy (KVEvictionParams) to any engine
         self.eviction = EvictionDriver(config, self.bm, num_layer_heads, self.busy_blocks)
         self.filler = HoleFiller(self.bm, self.busy_blocks) if config.fills_holes else None
-        self.monitor = KVMonitor(self.bm)
+        self.monitor = KVMonitor(self.bm, lambda: self.sliding.held if self.sliding else 0)
 
     @property
     def block_size(self) -> int:
@@ -206,7 +206,6 @@ class KVManager:
         stats["prefix_cache_hit_blocks"] = self.bm.cache_hit_blocks
         stats["prefix_cache_queries"] = self.bm.cache_query_tokens
         stats["prefix_cache_hits"] = self.bm.cache_hit_tokens
-        stats["sliding_window_blocks"] = self.sliding.held if self.sliding else 0
         stats.update(self.reclaimer.stats() if self.reclaimer else ReclamationBackend.idle_stats())
         return stats
 

@@ -1,5 +1,5 @@
 """KVMonitor: per-request and engine-wide KV footprint statistics."""
-from typing import Dict, Iterable
+from typing import Callable, Dict, Iterable
 
 from vllm.core.block_manager import BlockManager
 from vllm.core.step_stats import StepStats
@@ -7,8 +7,11 @@ from vllm.sequence import Sequence
 
 
 class KVMonitor:
-    def __init__(self, block_manager: BlockManager):
+    def __init__(self, block_manager: BlockManager, sliding_blocks: Callable[[], int] = int):
+        """sliding_blocks: the pool blocks a hybrid model's sliding windows hold now (they are
+        in use, but hold no token of the token tables: utilization leaves them out)."""
         self.bm = block_manager
+        self.sliding_blocks = sliding_blocks
         self.steps = 0
         self.util_sum = 0.0
         self.live_tokens = 0
@@ -28,7 +31,7 @@ class KVMonitor:
     def after_step(self, seqs: Iterable[Sequence]) -> None:
         tt = self.bm.token_table
         self.live_tokens = sum(tt.num_live(s.seq_id) for s in seqs)
-        used = self.bm.pool.num_used
+        used = self.bm.pool.num_used - self.sliding_blocks()
         if used:
             self.steps += 1
             self.util_sum += self.live_tokens / (used * self.bm.block_size)
@@ -50,8 +53,10 @@ class KVMonitor:
         st["mean_blocks_per_token"] = st.get("block_tokens", 0) / done if done else 0.0
 
     def stats(self) -> Dict[str, float]:
-        used = self.bm.pool.num_used
+        used, table_blocks = self.bm.pool.num_used, self.bm.pool.num_used - self.sliding_blocks()
         return {"blocks_total": self.bm.num_blocks, "blocks_used": used,
                 "blocks_peak": self.bm.peak_used, "live_tokens": self.live_tokens,
-                "memory_utilization": self.live_tokens / (used * self.bm.block_size) if used else 0.0,
+                "sliding_window_blocks": used - table_blocks,
+                "memory_utilization": self.live_tokens / (table_blocks * self.bm.block_size)
+                if table_blocks else 0.0,
                 "mean_memory_utilization": self.util_sum / self.steps if self.steps else 0.0}

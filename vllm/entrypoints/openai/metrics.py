@@ -35,7 +35,9 @@ _GAUGES = {
                            "Live KV tokens / slots of the blocks in use (0-1)."),
     "mean_memory_utilization": ("vllm:kv_mean_memory_utilization",
                                 "Mean of kv_memory_utilization over engine steps."),
-    "blocks_used": ("vllm:kv_blocks_used", "KV blocks in use."),
+    "blocks_used": ("vllm:kv_blocks_used", "KV blocks in use (both groups of a hybrid model)."),
+    "sliding_window_blocks": ("vllm:kv_sliding_window_blocks",
+                              "KV blocks held by sliding-window layers (hybrid models)."),
     "blocks_total": ("vllm:kv_blocks_total", "KV blocks in the pool."),
     "blocks_peak": ("vllm:kv_blocks_peak", "Peak KV blocks in use."),
 }
