@@ -64,6 +64,8 @@ def test_shared_prefix_hits_give_the_tokens_of_a_miss(family_models, family):
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first + rest] == ref
     assert llm.llm_engine.kv.bm.pool.num_free == llm.llm_engine.kv.bm.num_blocks
+    hits = llm.get_kv_stats()["prefix_cache_hit_blocks"]
+    assert hits == 0 if family == "gemma3" else hits > 0     # hybrid groups keep no cache
 
 
 @pytest.mark.parametrize("family,blocks", [("gemma3", 18), ("mistral-w12", 14)])
@@ -304,3 +306,13 @@ def test_triton_kernels_read_the_windows(family_models, family):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ref = cpu.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert got["vtoken"] == [r.outputs[0].token_ids for r in ref]
+
+
+def test_kv_cache_memory_sizes_the_pool_by_the_full_layers(family_models):
+    """--kv-cache-memory on a hybrid model: a block costs its 2 full layers' pages (float32:
+    2 x K/V x 2 KV heads x 32 x 4 bytes x 16 tokens), not 6 layers'."""
+    page = 2 * 2 * 32 * 4 * 16
+    hybrid = LLM(family_models["gemma3"], kv_cache_memory=300 * 2 * page)
+    one = LLM(family_models["gemma3"], kv_cache_memory=300 * 2 * page,
+              disable_hybrid_kv_cache_manager=True)
+    assert hybrid.llm_engine.kv.num_blocks == 300 and one.llm_engine.kv.num_blocks == 100
