@@ -79,7 +79,7 @@ def solo(model, cfg: dict, rid: str, prompt: List[int], p: SamplingParams) -> Li
     """(tokens, eviction log) per sample of the request run alone, prefix caching off (same
     request id: the random policy's draws are keyed by it)."""
     ref_cfg = dict(cfg, enable_prefix_caching=False, num_gpu_blocks_override=512)
-    key = (tuple(sorted(ref_cfg.items(), key=str)), rid, tuple(prompt), p.n, p.seed,
+    key = (model, tuple(sorted(ref_cfg.items(), key=str)), rid, tuple(prompt), p.n, p.seed,
            p.max_tokens)
     if key not in _SOLO:
         eng = LLM(model, kv_eviction_log=True, **ref_cfg).llm_engine
