@@ -63,9 +63,10 @@ class KVManager:
     def computed_blocks(self, seq: Sequence) -> List[int]:
         if seq.params.prompt_logprobs is not None:
             return []     # (upstream too) every prompt position must run to score the prompt
-        if self.sliding is not None:
-            return []     # a hit would need the sliding layers' window before it (not kept)
-        return self.bm.computed_blocks(seq, self.eviction.max_cache_hits(seq))
+        hits = self.bm.computed_blocks(seq, self.eviction.max_cache_hits(seq))
+        if self.sliding is not None and hits:   # the sliding layers' window before it too
+            hits = hits[:self.sliding.usable_hits(seq.block_hashes, len(hits))]
+        return hits
 
     def _sliding_need(self, seq: Sequence, first: int, num_new_tokens: int) -> int:
         if self.sliding is None:
@@ -76,13 +77,15 @@ class KVManager:
         return self.allocate_shortfall(seq, hits, num_new_tokens) == 0
 
     def allocate_shortfall(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> int:
-        return self.bm.allocate_shortfall(
-            hits, num_new_tokens, self._sliding_need(seq, len(hits) * self.block_size,
-                                                     num_new_tokens))
+        extra = self._sliding_need(seq, len(hits) * self.block_size, num_new_tokens)
+        if self.sliding is not None:     # cached window blocks taken off the free list
+            extra += self.sliding.hit_blocks_free(seq.block_hashes, len(hits))
+        return self.bm.allocate_shortfall(hits, num_new_tokens, extra)
 
     def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
         self.bm.allocate(seq, hits, num_new_tokens)
         if self.sliding is not None:
+            self.sliding.adopt(seq.seq_id, seq.block_hashes, len(hits))
             self.sliding.allocate(seq.seq_id, seq.num_computed_tokens, num_new_tokens)
         self.seqs[seq.seq_id] = seq
         seq.clean_tokens = None
@@ -189,7 +192,8 @@ class KVManager:
         for r in stats.rows:
             self.bm.cache_full_blocks(r.seq)
             self.eviction.after_step(r)
-            if self.sliding is not None:        # the window moved past them
+            if self.sliding is not None:        # cached with their full blocks, then freed
+                self.sliding.cache(r.seq.seq_id, r.seq.block_hashes[:r.seq.num_cached_blocks])
                 self.sliding.release_behind(r.seq.seq_id, r.seq.num_computed_tokens)
         if self.reclaimer:
             self.reclaimer.plan_step(list(self.seqs.values()))

@@ -9,10 +9,15 @@ a block is freed once every query to come is past it, its last id <= next positi
     (ids 4-7, id 7 still seen) stays; a decode step then holds ceil(W / B) + 1 = 3 blocks
 
 A prompt chunk takes blocks for all its ids (its queries read them) and gives back those behind
-its last query's window after the step. No prefix-cache hits: a hit would need the blocks of
-the window before it, which are not kept (KVManager.computed_blocks).
+its last query's window after the step.
+
+Prefix caching: a logical block whose full-attention block entered the prefix cache (computed
+before any eviction, so its sliding K/V are an uncached run's too) is cached in each subgroup
+under (subgroup, that block's hash) before the window frees it: a freed block stays findable
+until the pool hands it out again, as full blocks do. A hit of m full blocks is usable when the
+blocks of the window before position m * B are all cached (usable_hits); admission takes them.
 """
-from typing import Dict
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -24,6 +29,7 @@ class SlidingWindowBlocks:
         self.pool, self.block_size, self.window, self.num_groups = pool, block_size, window, \
             num_groups
         self.tables: Dict[str, np.ndarray] = {}     # seq id -> [logical blocks, groups] int64
+        self.cached: Dict[str, int] = {}            # seq id -> logical blocks cached so far
         self.held = 0                               # pool blocks held, all requests
 
     def max_blocks_per_request(self) -> int:
@@ -72,11 +78,72 @@ class SlidingWindowBlocks:
             table[rows] = -1
 
     def free(self, seq_id: str) -> None:
+        self.cached.pop(seq_id, None)
         table = self.tables.pop(seq_id, None)
         if table is not None:
             blocks = table[table >= 0]
             self.pool.release(blocks.tolist())
             self.held -= blocks.size
+
+    # ---- prefix cache ---------------------------------------------------------------------------
+    @staticmethod
+    def _hash(block_hash: int, group: int) -> int:
+        return hash(("sliding", group, block_hash))
+
+    def cache(self, seq_id: str, block_hashes: List[int]) -> None:
+        """Register the held blocks of the logical blocks block_hashes covers (those whose
+        full-attention blocks are cached) under their subgroup's hash."""
+        table = self.tables.get(seq_id)
+        start = self.cached.get(seq_id, 0)
+        if table is None or start >= len(block_hashes):
+            return
+        for j in range(start, min(len(block_hashes), len(table))):
+            for k in range(self.num_groups):
+                if table[j, k] >= 0:
+                    self.pool.cache(int(table[j, k]), self._hash(block_hashes[j], k))
+        self.cached[seq_id] = len(block_hashes)
+
+    def _window_first(self, num_hit_blocks: int) -> int:
+        """First logical block the query at position num_hit_blocks * B can see."""
+        return max(num_hit_blocks * self.block_size - self.window + 1, 0) // self.block_size
+
+    def _lookup(self, block_hashes: List[int], m: int) -> Optional[np.ndarray]:
+        """[m - first, groups] cached blocks of the window before a hit of m blocks, or None."""
+        lo = self._window_first(m)
+        found = np.empty((m - lo, self.num_groups), np.int64)
+        for j in range(lo, m):
+            for k in range(self.num_groups):
+                block = self.pool.lookup(self._hash(block_hashes[j], k))
+                if block is None:
+                    return None
+                found[j - lo, k] = block
+        return found
+
+    def usable_hits(self, block_hashes: List[int], num_hits: int) -> int:
+        """The longest prefix of num_hits full-block hits whose window is cached too."""
+        for m in range(num_hits, 0, -1):
+            if self._lookup(block_hashes, m) is not None:
+                return m
+        return 0
+
+    def hit_blocks_free(self, block_hashes: List[int], num_hits: int) -> int:
+        """Pool blocks adopting this hit takes off the free list (cached, not held)."""
+        found = self._lookup(block_hashes, num_hits) if num_hits else None
+        return 0 if found is None else self.pool.num_free_among(found.ravel().tolist())
+
+    def adopt(self, seq_id: str, block_hashes: List[int], num_hits: int) -> None:
+        """A new request's sliding blocks for the window before its prefix hit of num_hits
+        blocks (usable_hits said they are cached): referenced, placed in its table."""
+        assert seq_id not in self.tables, f"{seq_id} already holds sliding blocks"
+        table = self.tables[seq_id] = np.full((max(num_hits, 1), self.num_groups), -1, np.int64)
+        self.cached[seq_id] = num_hits
+        if not num_hits:
+            return
+        found = self._lookup(block_hashes, num_hits)
+        assert found is not None, f"{seq_id}: its sliding hit blocks left the cache"
+        self.pool.touch(found.ravel().tolist())
+        table[self._window_first(num_hits):num_hits] = found
+        self.held += found.size
 
     # ---- what the step reads -----------------------------------------------------------------
     def slots(self, seq_id: str, ids: np.ndarray) -> np.ndarray:

@@ -108,7 +108,7 @@ class EngineArgs:
         add("--disable-hybrid-kv-cache-manager", action="store_true",
             help="a model with sliding-window and full-attention layers (Gemma 3): keep every "
                  "layer's KV at full size in one group instead of giving the sliding layers "
-                 "window-sized block tables of their own (those take no prefix-cache hits)")
+                 "window-sized block tables of their own")
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
         add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         add("--seed", type=int, default=0)
