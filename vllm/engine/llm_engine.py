@@ -126,7 +126,10 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, hf_config.vocab_size)
         self.stop_checker = StopChecker(self.tokenizer, max_len)
         self.requests: Dict[str, RequestState] = {}
-        self._warn_if_pool_short(num_blocks * args.block_size)
+        # a hybrid model's request also holds its sliding windows' blocks
+        window_blocks = self.kv.sliding.num_groups * self.kv.sliding.max_blocks_per_request() \
+            if self.kv.sliding else 0
+        self._warn_if_pool_short(max(num_blocks - window_blocks, 0) * args.block_size)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
