@@ -706,6 +706,33 @@ def test_decode_layer_matches_the_torch_path(isa, monkeypatch, gemm, qk_norm):
 
 
 @cpu_built
+def test_gemma_decode_layer_matches_the_torch_path(isa, monkeypatch):
+    """Gemma 3's layer in the C decode layer (its q/k norms, the sandwich norms around
+    attention and the MLP, GeGLU), against the layer's pure torch path."""
+    from vllm.model_executor.models.gemma3 import Gemma3DecoderLayer
+    from vllm.model_executor.models.llama import Rotary
+    cfg, w, x, positions, kv, meta = _layer_scene(qk_norm=True)
+    cfg.hidden_activation = "gelu_pytorch_tanh"
+    g = torch.Generator().manual_seed(7)
+    w.update({f"l.{n}.weight": 1 + 0.2 * torch.randn(64, generator=g)
+              for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")})
+    rotary = Rotary(16, 128, 10000.0, {"rope_type": "default"}, torch.float32)
+    cos, sin = rotary.cos[positions], rotary.sin[positions]
+    with ops.forced_backend("torch"):
+        ref_kv = kv.clone()
+        ref = Gemma3DecoderLayer(cfg, w, "l", None)(x, cos, sin, rotary, ref_kv, meta)
+    plan = _forced_plan(monkeypatch, "c", {(64, 128): 1, (64, 64): 1, (64, 192): 1, (96, 64): 1})
+    layer = Gemma3DecoderLayer(cfg, w, "l", plan)
+    assert layer.fused is not None and layer.fused.gelu == 1 and layer.fused.post_ffn
+    scratch = cpu_kernels.decode_scratch(layer.fused, x.shape[0], meta.decode_views)
+    out = cpu_kernels.decode_layer(layer.fused, x.clone(), cos, sin, meta.slot_mapping, kv,
+                                   meta.decode_views, meta.decode_lens, None, scratch)
+    assert rel_err(out, ref) < 1e-5 and rel_err(kv, ref_kv) < 1e-6
+    per_op = layer(x, cos, sin, rotary, kv.clone(), meta)          # the C kernels op by op
+    assert rel_err(per_op, ref) < 1e-5
+
+
+@cpu_built
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_decode_layers_is_one_call_per_layer_in_order(isa, monkeypatch, prefetch):
     """The stacked call equals decode_layer applied layer by layer, each on its own cache; the

@@ -823,6 +823,36 @@ void vtok_silu_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
   }
 }
 
+/* gate_up [M, 2I] -> out [M, I] = gelu_tanh(gate) * up (GeGLU, Gemma), gelu_tanh(g) =
+   0.5 g (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2 / pi), tanh(y) = 1 - 2 / (exp(2 y) + 1);
+   I % 16 == 0 */
+void vtok_gelu_tanh_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
+#pragma omp parallel for schedule(static) if (M > 64)
+  for (int64_t m = 0; m < M; m++) {
+    const float *gate = gate_up + m * 2 * I, *up = gate + I;
+    for (int64_t i = 0; i < I; i += VEC) {
+      vec g = load(gate + i);
+      vec y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      vec t = 1.f - 2.f / (vexp(2.f * y) + 1.f);
+      store(out + m * I + i, 0.5f * g * (1.f + t) * load(up + i));
+    }
+  }
+}
+
+/* x [M, N] += h * rsqrt(mean(h^2) + eps) * w (a sublayer's output normed before its residual
+   add, Gemma's post-attention / post-feedforward norms); N % 16 == 0 */
+static void add_rms_norm(const float *h, int64_t M, int64_t N, const float *w, float eps,
+                         float *x) {
+  for (int64_t m = 0; m < M; m++) {
+    const float *row = h + m * N;
+    vec ss = splat(0.f);
+    for (int64_t i = 0; i < N; i += VEC) ss += load(row + i) * load(row + i);
+    vec r = splat(1.f / sqrtf(hsum(ss) / (float)N + eps));
+    for (int64_t i = 0; i < N; i += VEC)
+      store(x + m * N + i, load(x + m * N + i) + load(row + i) * r * load(w + i));
+  }
+}
+
 /* out[m] = the first index of row m's largest value, x [M, N] (greedy sampling: torch's max
    over a 49,152-token vocabulary ran at ~9 GB/s, 21 us a row on our 2-core hosts). Lanes keep
    their first maximum (strict >), then the lowest index among lanes that hold the row's
@@ -951,6 +981,10 @@ typedef struct {
   const vtok_qweight *qkv_q, *o_q, *gate_up_q, *down_q;   /* or, where not NULL, in blocks */
   int64_t bf16;           /* 1: the packed GEMMs hold bf16 (vtok_packed_gemm_bf16) */
   const float *q_norm, *k_norm;   /* per-head RMSNorm of q and k before RoPE (NULL: none) */
+  /* Gemma's sandwich (NULL: Llama's): the attention and MLP outputs normed before their
+     residual adds, the MLP's input normed by pre_ffn (ln2 unused) */
+  const float *post_attn, *pre_ffn, *post_ffn;
+  int64_t gelu;           /* 1: GeGLU (tanh GELU), 0: SiLU */
 } vtok_layer;
 
 /* y = x @ W (+ bias) (+ residual) with W packed (float32, or bf16 where L->bf16) or, given qw,
@@ -996,12 +1030,22 @@ int vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos
                      SPREADS(fmt));
   vtok_decode_attention(q, kv, views, ld_views, lens, M, H, KVH, D, L->scale, probs, lmax, attn,
                         mass, ld_mass, fmt, k_scale, v_scale);
-  if (layer_gemm(L, attn, M, HD, L->o, L->o_q, E, L->o_bias, x, x, prefetch)) return -1;
-  vtok_rms_norm(x, M, E, L->ln2, L->eps, h);
+  if (L->post_attn) {     /* x += norm(o(attn)); h = pre_ffn(x) */
+    if (layer_gemm(L, attn, M, HD, L->o, L->o_q, E, L->o_bias, NULL, h, prefetch)) return -1;
+    add_rms_norm(h, M, E, L->post_attn, L->eps, x);
+    vtok_rms_norm(x, M, E, L->pre_ffn, L->eps, h);
+  } else {
+    if (layer_gemm(L, attn, M, HD, L->o, L->o_q, E, L->o_bias, x, x, prefetch)) return -1;
+    vtok_rms_norm(x, M, E, L->ln2, L->eps, h);
+  }
   if (layer_gemm(L, h, M, E, L->gate_up, L->gate_up_q, 2 * I, NULL, NULL, gate_up, prefetch))
     return -1;
-  vtok_silu_mul(gate_up, M, I, act);
-  return layer_gemm(L, act, M, I, L->down, L->down_q, E, NULL, x, x, prefetch);
+  if (L->gelu) vtok_gelu_tanh_mul(gate_up, M, I, act);
+  else vtok_silu_mul(gate_up, M, I, act);
+  if (!L->post_ffn) return layer_gemm(L, act, M, I, L->down, L->down_q, E, NULL, x, x, prefetch);
+  if (layer_gemm(L, act, M, I, L->down, L->down_q, E, NULL, NULL, h, prefetch)) return -1;
+  add_rms_norm(h, M, E, L->post_ffn, L->eps, x);     /* x += norm(down(act)) */
+  return 0;
 }
 
 /* The whole decoder stack for one decode step: vtok_decode_layer for layers[0 .. n), layer i's

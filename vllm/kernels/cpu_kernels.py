@@ -63,7 +63,10 @@ class LayerWeights(ctypes.Structure):
                 *((name, ctypes.POINTER(BlockWeight))
                   for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
                 ("bf16", _i64),          # 1: the packed GEMMs hold bf16 (pack_weight(bf16=))
-                ("q_norm", _ptr), ("k_norm", _ptr)]     # per-head q/k RMSNorm (Qwen3), or None
+                ("q_norm", _ptr), ("k_norm", _ptr),     # per-head q/k RMSNorm (Qwen3), or None
+                # Gemma's post-attention, pre- and post-feedforward norms (None: Llama's)
+                ("post_attn", _ptr), ("pre_ffn", _ptr), ("post_ffn", _ptr),
+                ("gelu", _i64)]          # 1: GeGLU (tanh GELU), 0: SiLU
 
 
 def _cpu_model() -> str:
@@ -156,6 +159,7 @@ def library(isa: str, source: Optional[Path] = None) -> Optional[ctypes.CDLL]:
     lib.vtok_argmax_rows.restype = None
     lib.vtok_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     lib.vtok_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.vtok_gelu_tanh_mul.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.vtok_rope_write_kv.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                                        _ptr, _int, _f32, _f32, _int]
     layer = ctypes.POINTER(LayerWeights)
@@ -297,6 +301,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     m, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(m, i, dtype=torch.float32)
     _library().vtok_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] float32, I % 16 == 0 -> gelu_tanh(gate) * up [M, I] (GeGLU)."""
+    gate_up = gate_up.contiguous()
+    m, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, i, dtype=torch.float32)
+    _library().vtok_gelu_tanh_mul(gate_up.data_ptr(), m, i, out.data_ptr())
     return out
 
 

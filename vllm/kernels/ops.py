@@ -146,6 +146,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] -> gelu_tanh(gate) * up [M, I] (GeGLU)."""
+    if cpu_rows(gate_up, gate_up.shape[-1] // 2):
+        from vllm.kernels import cpu_kernels
+        return cpu_kernels.gelu_tanh_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary,
                   slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
                   head_dim: int) -> torch.Tensor:

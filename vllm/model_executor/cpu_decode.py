@@ -142,22 +142,32 @@ class CpuDecodeModel(nn.Module):
         return self.quant_layers if num_rows < self.quant_below else self.layers
 
     def all_in_c(self, layers: nn.ModuleList, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A decode-only step in a band where the plan runs each layer as one C call (every
-        layer reads the same window: one set of views)."""
-        return (self.plan is not None and _stackable(layers) and not meta.prefills
-                and meta.num_decodes == num_tokens > 0 and self.plan.use_decode_layer(num_tokens)
-                and ops.cpu_kernels_enabled())
+        """A decode-only step in a band where the plan runs each layer as one C call."""
+        return (self.plan is not None and all(layer.fused is not None for layer in layers)
+                and not meta.prefills and meta.num_decodes == num_tokens > 0
+                and self.plan.use_decode_layer(num_tokens) and ops.cpu_kernels_enabled())
 
-    def decode_in_c(self, layers: nn.ModuleList, x, cos, sin, kv_caches,
+    def decode_in_c(self, layers: nn.ModuleList, x, tables, kv_caches, tensors,
                     meta: AttentionMetadata) -> torch.Tensor:
-        """Every layer in one C call; -> the final norm's output."""
+        """Every layer in C: one call for the stack where every layer reads one window and
+        rotary table, else one call per layer (each its own views, rotary and KV tensor);
+        -> the final norm's output. tables: rotary kind -> (cos, sin) of the step."""
         x = x.contiguous()
-        first = layers[0]
-        meta = meta.for_layer(first.window, first.scores)
-        scratch = self._scratch(x.shape[0], meta.decode_views)
-        cpu_kernels.decode_layers(_c_stack(layers), x, cos, sin, meta.slot_mapping, kv_caches,
-                                  meta.decode_views, meta.decode_lens, meta.decode_mass, scratch,
-                                  self.plan.prefetch_next(x.shape[0]))
+        prefetch = self.plan.prefetch_next(x.shape[0])
+        if _stackable(layers):
+            first = layers[0]
+            lm = meta.for_layer(first.window, first.scores, first.group)
+            scratch = self._scratch(x.shape[0], lm.decode_views)
+            cpu_kernels.decode_layers(_c_stack(layers), x, *tables[first.rope], lm.slot_mapping,
+                                      kv_caches, lm.decode_views, lm.decode_lens,
+                                      lm.decode_mass, scratch, prefetch)
+            return ops.rms_norm(x, self.norm, self.eps)
+        for i, layer in enumerate(layers):
+            lm = meta.for_layer(layer.window, layer.scores, layer.group)
+            cpu_kernels.decode_layer(layer.fused, x, *tables[layer.rope], lm.slot_mapping,
+                                     kv_caches[tensors[i]], lm.decode_views, lm.decode_lens,
+                                     lm.decode_mass, self._scratch(x.shape[0], lm.decode_views),
+                                     prefetch)
         return ops.rms_norm(x, self.norm, self.eps)
 
     def _scratch(self, m: int, views: torch.Tensor) -> torch.Tensor:
@@ -169,12 +179,12 @@ class CpuDecodeModel(nn.Module):
 
 
 def _stackable(layers: nn.ModuleList) -> bool:
-    """Whether one C call can run these layers: each has a C view and all read one window
-    (kept on the list, as _c_stack)."""
+    """Whether one C call can run these layers: all read one window, KV group and rotary
+    table, in tensors of their own (kept on the list, as _c_stack)."""
     ok = layers.__dict__.get("stackable")
     if ok is None:
-        ok = layers.stackable = all(layer.fused is not None for layer in layers) and \
-            len({(layer.window, layer.scores) for layer in layers}) == 1
+        ok = layers.stackable = len({(layer.window, layer.scores, layer.group, layer.rope)
+                                     for layer in layers}) == 1
     return ok
 
 

@@ -22,6 +22,13 @@ class Gemma3DecoderLayer(DecoderLayer):
                                              requires_grad=False)
         self.ln_post_ffn = torch.nn.Parameter(w[f"{p}.post_feedforward_layernorm.weight"],
                                               requires_grad=False)
+        self.refresh_fused()
+
+    def c_layer_extras(self):
+        if not hasattr(self, "ln_post_ffn") or self.act != "gelu_tanh":
+            return None                                   # (before its norms are set)
+        return dict(post_attn=self.ln2.data_ptr(), pre_ffn=self.ln_pre_ffn.data_ptr(),
+                    post_ffn=self.ln_post_ffn.data_ptr(), gelu=1)
 
     def forward(self, x, cos, sin, rotary, kv_cache, meta):
         h = rms_norm(x, self.ln1, self.eps)

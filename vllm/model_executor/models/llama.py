@@ -89,7 +89,6 @@ class DecoderLayer(nn.Module):
         self.o = linear("o", o_bias)
         self.gate_up = linear("gate_up")
         self.down = linear("down")
-        intermediate = self.gate_up.out_features // 2
         param = lambda name: nn.Parameter(w[f"{p}.{name}.weight"], requires_grad=False)  # noqa
         self.ln1, self.ln2 = param("input_layernorm"), param("post_attention_layernorm")
         # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
@@ -98,14 +97,24 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5 if scale is None else scale
-        self.fused = self._fused_weights(intermediate) if tp.world_size == 1 else None
+        self.refresh_fused()
+
+    def refresh_fused(self) -> None:
+        """(Re)build the C decode layer's view (a subclass, once its own weights are set)."""
+        intermediate = self.gate_up.out_features // 2
+        self.fused = self._fused_weights(intermediate) if self.tp.world_size == 1 else None
+
+    def c_layer_extras(self) -> Optional[dict]:
+        """The C layer's fields beyond the Llama layer's (vtok_layer), or None where it cannot
+        run this layer. The Llama layer: SiLU, two norms (a per-head q/k norm runs in C too)."""
+        return {} if type(self).forward is DecoderLayer.forward and self.act == "silu" else None
 
     def _fused_weights(self, intermediate: int) -> Optional[cpu_kernels.LayerWeights]:
         """The C decode layer's view of this layer, where every piece of it runs in C (a GEMM
-        packed in float32 or bf16, all four alike, or kept in GGUF blocks) and the layer is the
-        Llama layer (SiLU, two norms; a per-head q/k norm runs in C too)."""
+        packed in float32 or bf16, all four alike, or kept in GGUF blocks)."""
         linears = (self.qkv, self.o, self.gate_up, self.down)
-        if type(self).forward is not DecoderLayer.forward or self.act != "silu":
+        extras = self.c_layer_extras()
+        if extras is None:
             return None
         if any(lin.packed is None and not isinstance(lin, QuantLinear) for lin in linears) or \
                 any(n % 16 for n in (self.head_dim, self.ln1.numel(), intermediate)):
@@ -124,7 +133,7 @@ class DecoderLayer(nn.Module):
             gate_up=ptr(self.gate_up.packed), down=ptr(self.down.packed),
             qkv_q=blocks(self.qkv), o_q=blocks(self.o), gate_up_q=blocks(self.gate_up),
             down_q=blocks(self.down), bf16=int(True in bf16), q_norm=ptr(self.q_norm),
-            k_norm=ptr(self.k_norm))
+            k_norm=ptr(self.k_norm), **extras)
 
     def forward(self, x, cos, sin, rotary, kv_cache, meta: AttentionMetadata):
         h = rms_norm(x, self.ln1, self.eps)
@@ -262,9 +271,9 @@ class LlamaForCausalLM(CpuDecodeModel):
         tables = {kind: (r.cos[positions], r.sin[positions])     # [T, D] each
                   for kind, r in self.rotaries.items()}
         layers = self.layers_for(x.shape[0])
-        if self.all_in_c(layers, meta, x.shape[0]):
-            return self.decode_in_c(layers, x, *tables[layers[0].rope], kv_caches, meta)
         tensors = self.kv_groups.layer_tensor        # a hybrid model's layers share tensors
+        if self.all_in_c(layers, meta, x.shape[0]):
+            return self.decode_in_c(layers, x, tables, kv_caches, tensors, meta)
         for i, layer in enumerate(layers):
             cos, sin = tables[layer.rope]
             x = layer(x, cos, sin, self.rotaries[layer.rope], kv_caches[tensors[i]], meta)
