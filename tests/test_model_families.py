@@ -96,15 +96,16 @@ def test_budget_above_the_length_gives_the_tokens_of_no_policy(family_models, pr
 @pytest.mark.parametrize("family", ["gemma3", "mistral-w12"])
 @pytest.mark.parametrize("policy", [p for p in EVICTION_POLICIES if p != "none"])
 def test_naive_evict_equals_vtoken(family_models, prompts, family, policy):
-    """Eviction on a model with sliding layers: vToken only changes where bytes live."""
+    """Eviction on a model with sliding layers: vToken (and its hole-filling mode) only
+    changes where bytes live."""
     outs = {}
-    for mode in ("none", "vtoken"):
+    for mode in ("none", "vtoken", "vtoken-fill"):
         outs[mode], llm = _generate(family_models[family], prompts, block_size=8,
                                     num_gpu_blocks_override=256, kv_eviction_policy=policy,
                                     kv_budget_tokens=24, kv_min_tokens=0, kv_reclamation=mode,
                                     kv_check_invariants=True)
         assert llm.llm_engine.get_kv_stats()["evicted_tokens"] > 0
-    assert outs["none"] == outs["vtoken"]
+    assert outs["none"] == outs["vtoken"] == outs["vtoken-fill"]
 
 
 def test_full_layers_alone_feed_the_statistics(family_models):
