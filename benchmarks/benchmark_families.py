@@ -63,6 +63,22 @@ def resolve(model: str):
                      f"or model directory")
 
 
+def weight_format(llm, quantization: str) -> str:
+    """What the engine's GEMMs run on, by batch: quantization auto keeps the float32 twin for the
+    row counts from the load-time crossover (CpuDecodeModel.quant_below) on."""
+    from vllm.model_executor.bf16_linear import BF16Linear
+    from vllm.model_executor.quant_linear import QuantLinear
+    model = llm.llm_engine.model_executor.driver_worker.model
+    below = getattr(model, "quant_below", 0)
+    if quantization != "gguf":
+        return "float32"
+    if getattr(model, "quant_layers", None) is not None and below:
+        return f"GGUF blocks below {below} rows, float32 from {below}"
+    if any(isinstance(m, (QuantLinear, BF16Linear)) for m in model.layers[0].modules()):
+        return "GGUF blocks at every batch size"
+    return "float32 at every batch size (the crossover dropped the blocks)"
+
+
 def plot(rows, title: str, with_hf: bool, with_peer: bool):
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5.8, 3.4))
@@ -141,6 +157,8 @@ def main():
         print(f"kernel plan ({plan['source']}): {cpu_kernel_plan.summary(plan)}")
     config = llm.llm_engine.model_config
     quantization = getattr(config, "quantization", None)
+    weights = weight_format(llm, quantization)
+    print(f"engine weights: {weights}")
     tok = llm.get_tokenizer()
     prompts = common.fixed_length_prompts(tok, max(batches), prompt_len, args.seed)
     common.generate(llm, [(prompts[0], 8)])                 # warm-up
@@ -191,7 +209,7 @@ def main():
     info = common.cpu_info()
     title = (f"{label}: {prompt_len}-token prompts + {new_tokens} new tokens, generated tokens/s "
              f"incl. prefill, greedy ({common.machine()}); engine LLM(model) quantization "
-             f"{quantization}")
+             f"{quantization}: {weights}")
     if args.llamacpp:
         title += (f"\nllama.cpp ({peer['build']}): llama-batched-bench on the same GGUF, "
                   f"{args.threads} threads, {rounds} rounds per batch taking turns with the engine "
@@ -207,7 +225,8 @@ def main():
     results, common.RESULTS = common.RESULTS, args.out     # common.save writes there
     try:
         common.save(f"benchmark_families_{tag}",
-                    {"args": vars(args), "revision": revision, "model": label, "gguf": gguf, "float32_dir": f32_dir,
+                    {"args": vars(args), "revision": revision, "model": label, "gguf": gguf,
+                     "float32_dir": f32_dir, "weights": weights,
                      "quantization": quantization, "batches": batches, "prompt_len": prompt_len,
                      "new_tokens": new_tokens, "rounds": rounds, "threads": args.threads,
                      "rows": rows, "table": text, "kernel_plan": plan, "llamacpp": peer or None,

@@ -4,15 +4,20 @@ The model-library refactor (8f13a1b..02aab15: the kernels' new home, the model l
 family-agnostic CpuDecodeModel) must not slow the default model: after >= 0.98x before. This
 script checks out --before (default 96e5224, the commit before the refactor) as a git worktree
 (/tmp/wt-before) and measures it beside --after (default HEAD, checked out as /tmp/wt-after, so
-uncommitted work in this checkout stays out; --after . measures this checkout as it is). Each revision runs in a subprocess of the same Python
-with PYTHONPATH at its tree (the worker asserts it imported vllm from there), loaded once as
+uncommitted work in this checkout stays out; --after . measures this checkout as it is). Each
+revision runs in a subprocess of the same Python with PYTHONPATH at its tree (the .venv's
+editable install of this checkout switched off there; the worker checks that every vllm module
+it imported came from its tree), loaded once as
 `LLM()` with its defaults (the default model, quantization auto), warmed up at every batch size,
 then driven turn by turn: per batch size, --rounds pairs in ABBA order (before, after, after,
 before, ...), the idle worker waiting on its pipe. Both run the same prompts (--prompt-len token
 ids cut from ShareGPT by this checkout's tokenizer) through the same harness (common.generate:
 greedy, ignore_eos, --new-tokens each); tok/s = generated tokens / wall time incl. prefill.
 after_vs_before is the median of the per-pair ratios after / before, with the lowest beside
-it. The worktrees are removed at the end (git worktree remove --force).
+it. The worktrees are removed at the end (git worktree remove --force). Each load times its
+own kernel plan and weight-format crossover (cached only when the host is quiet), so on a busy
+host the two revisions may run different choices (each worker's load_log in the JSON says
+which); VLLM_CPU_GEMM=c in the environment pins the GEMM path for both.
 
     python benchmarks/benchmark_refactor.py --threads 2                # batch 1, 16, 32; 3 rounds
     python benchmarks/benchmark_refactor.py --threads 2 --rounds 5 --batches 1 32
@@ -242,6 +247,8 @@ def main():
     p.add_argument("--out", default=common.RESULTS, help="folder for the JSON and PNG "
                                                          "(default %(default)s)")
     args = p.parse_args()
+    if args.model:
+        p.error("--model: this benchmark runs the default model, as LLM() does")
     batches = args.batches or ([1] if args.quick else [1, 16, 32])
     args.prompt_len = args.prompt_len or (32 if args.quick else 128)
     args.new_tokens = args.new_tokens or (16 if args.quick else 128)

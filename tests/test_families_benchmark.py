@@ -51,6 +51,7 @@ def test_quick_run_on_a_tiny_gemma3_writes_json_and_png(tmp_path, monkeypatch):
     assert data["benchmark"] == "benchmark_families_gemma3"
     assert (data["prompt_len"], data["new_tokens"], data["rounds"]) == (12, 4, 1)
     assert data["llamacpp"] is None and "vs_llamacpp" not in data["rows"][0]
+    assert data["quantization"] == "none" and data["weights"] == "float32"
     assert common.RESULTS != str(out)               # --out does not stick to common
 
 
@@ -109,6 +110,7 @@ def test_llamacpp_path_pairs_rounds_with_a_stand_in_peer(tmp_path, monkeypatch):
     data = json.loads((out / "benchmark_families_tiny-gemma3.json").read_text())
     _check_rows(data, [1, 2], hf=False)
     assert data["quantization"] == "gguf" and data["gguf"] == gguf
+    assert data["weights"].startswith("GGUF blocks")
     assert calls == [[1], [1], [2], [2]]            # two rounds per batch, one batch per call
     assert data["llamacpp"]["version"] == "version: 1 (fake)"
     assert len(data["llamacpp"]["commands"]) == 4
