@@ -176,19 +176,9 @@ def main():
         if hf is not None:
             t_hf = throughput.hf_generate(hf, prompts[:b], new_tokens)
             row.update({"hf_tok_s": new / t_hf, "hf_s": t_hf})
-        engine_s, peer_rows = [], []
-        order = common.abba_order(rounds, "engine", "llamacpp") if args.llamacpp \
-            else ["engine"] * rounds
-        for who in order:                   # the other one idles meanwhile
-            if who == "engine":
-                engine_s.append(common.generate(llm, work)[1])
-                print(f"  batch {b} engine: {new / engine_s[-1]:.1f} tok/s", flush=True)
-                continue
-            by_batch, command, peer["settings"] = throughput.run_llamacpp(
-                args.llamacpp, gguf, [b], prompt_len, new_tokens, args.threads)
-            peer.setdefault("commands", []).append(command)
-            peer_rows.append(by_batch[b])
-            print(f"  batch {b} llama.cpp: {new / by_batch[b]['t_s']:.1f} tok/s", flush=True)
+        engine_s, peer_rows = throughput.take_turns(
+            llm, work, rounds, args.llamacpp, gguf, prompt_len, args.threads, peer,
+            lambda who, tok_s, b=b: print(f"  batch {b} {who}: {tok_s:.1f} tok/s", flush=True))
         t_engine = statistics.median(engine_s)
         row.update({"engine_tok_s": new / t_engine, "engine_s": t_engine,
                     "engine_rounds_tok_s": [new / t for t in engine_s]})

@@ -110,6 +110,31 @@ def peer_summary(peer_rows, engine_tok_s, batch: int):
             "llamacpp_raw": peer_rows}
 
 
+def take_turns(llm, work, rounds: int, llamacpp_dir, gguf: str, prompt_len: int,
+               threads: int, peer: dict, say=None):
+    """`rounds` engine runs of `work` (one batch of (prompt, new tokens)) and, with a llama.cpp
+    dir, as many llama-batched-bench runs of that batch on `gguf`, in ABBA order (the other
+    idles meanwhile); llama.cpp's commands and settings land in `peer`. -> (engine seconds per
+    round, llama.cpp's row per round). say(who, tok_s): a line per round, or None."""
+    b, new_tokens = len(work), work[0][1]
+    engine_s, peer_rows = [], []
+    order = common.abba_order(rounds, "engine", "llamacpp") if llamacpp_dir \
+        else ["engine"] * rounds
+    for who in order:
+        if who == "engine":
+            engine_s.append(common.generate(llm, work)[1])
+            if say:
+                say("engine", b * new_tokens / engine_s[-1])
+            continue
+        by_batch, command, peer["settings"] = run_llamacpp(
+            llamacpp_dir, gguf, [b], prompt_len, new_tokens, threads)
+        peer.setdefault("commands", []).append(command)
+        peer_rows.append(by_batch[b])
+        if say:
+            say("llama.cpp", b * new_tokens / by_batch[b]["t_s"])
+    return engine_s, peer_rows
+
+
 def hf_generate(model, batch, output_len: int) -> float:
     ids = torch.tensor(batch)
     t0 = time.perf_counter()
@@ -183,17 +208,8 @@ def main():
             with ops.forced_backend("torch"):
                 _, t_torch = common.generate(llm_torch, work)
             t_hf = hf_generate(hf, all_prompts[:b], args.output_len)
-        engine_s, peer_rows = [], []
-        order = common.abba_order(rounds, "engine", "llamacpp") if args.llamacpp \
-            else ["engine"] * rounds
-        for who in order:                   # the other one idles meanwhile
-            if who == "engine":
-                engine_s.append(common.generate(llm, work)[1])
-                continue
-            by_batch, command, peer["settings"] = run_llamacpp(
-                args.llamacpp, peer["gguf"], [b], args.prompt_len, args.output_len, args.threads)
-            peer.setdefault("commands", []).append(command)
-            peer_rows.append(by_batch[b])
+        engine_s, peer_rows = take_turns(llm, work, rounds, args.llamacpp, peer.get("gguf"),
+                                         args.prompt_len, args.threads, peer)
         t_engine = statistics.median(engine_s)
         new = b * args.output_len
         row = {"batch": b, "engine_tok_s": new / t_engine, "engine_s": t_engine,

@@ -48,7 +48,6 @@ def write_llama_gguf(path: str, seed: int = 0, layer_types=LAYER_TYPES, embd: in
     byte-level vocabulary of 300: GEMM weights random blocks of `layer_types`, the token
     embedding `embd`, the output `output`, the norms float32."""
     import gguf
-    from tokenizers import pre_tokenizers
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")
     w.add_context_length(1024)
@@ -60,16 +59,7 @@ def write_llama_gguf(path: str, seed: int = 0, layer_types=LAYER_TYPES, embd: in
     w.add_rope_dimension_count(HIDDEN // HEADS)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    tokens = ["<unk>", "<s>", "</s>"] + list(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he"]
-    tokens += [f"<extra{i}>" for i in range(VOCAB - len(tokens))]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
-    w.add_token_merges(["Ġ t", "h e"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    _byte_level_vocab(w, VOCAB)
 
     def quant(name, n, k, qtype):
         w.add_tensor(name, random_blocks(rng, n, k, qtype),
@@ -101,7 +91,7 @@ F32, F16 = 0, 1          # GGML's float types (gguf.GGMLQuantizationType)
 
 
 def _byte_level_vocab(w, vocab: int) -> None:
-    """write_llama_gguf's byte-level vocabulary (<unk> <s> </s>, the 256 bytes, two merges,
+    """The test GGUFs' byte-level vocabulary (<unk> <s> </s>, the 256 bytes, two merges,
     placeholders up to `vocab`)."""
     from tokenizers import pre_tokenizers
     tokens = ["<unk>", "<s>", "</s>"] + list(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he"]

@@ -797,14 +797,19 @@ void vtok_decode_attention(const float *q, const void *kv, const int64_t *slots,
    Small ops that torch runs as several passes with per-op overhead (its CPU rms_norm is seven
    ops); rows are independent, so large inputs (prefill) split rows across threads. */
 
+/* rsqrt(mean(row^2) + eps) of one row of N (N % 16 == 0), in every lane */
+static inline vec rms_scale(const float *row, int64_t N, float eps) {
+  vec ss = splat(0.f);
+  for (int64_t i = 0; i < N; i += VEC) ss += load(row + i) * load(row + i);
+  return splat(1.f / sqrtf(hsum(ss) / (float)N + eps));
+}
+
 /* out [M, N] = x * rsqrt(mean(x^2) + eps) * w; N % 16 == 0 */
 void vtok_rms_norm(const float *x, int64_t M, int64_t N, const float *w, float eps, float *out) {
 #pragma omp parallel for schedule(static) if (M > 64)
   for (int64_t m = 0; m < M; m++) {
     const float *row = x + m * N;
-    vec ss = splat(0.f);
-    for (int64_t i = 0; i < N; i += VEC) ss += load(row + i) * load(row + i);
-    vec r = splat(1.f / sqrtf(hsum(ss) / (float)N + eps));
+    vec r = rms_scale(row, N, eps);
     for (int64_t i = 0; i < N; i += VEC)
       store(out + m * N + i, load(row + i) * r * load(w + i));
   }
@@ -845,9 +850,7 @@ static void add_rms_norm(const float *h, int64_t M, int64_t N, const float *w, f
                          float *x) {
   for (int64_t m = 0; m < M; m++) {
     const float *row = h + m * N;
-    vec ss = splat(0.f);
-    for (int64_t i = 0; i < N; i += VEC) ss += load(row + i) * load(row + i);
-    vec r = splat(1.f / sqrtf(hsum(ss) / (float)N + eps));
+    vec r = rms_scale(row, N, eps);
     for (int64_t i = 0; i < N; i += VEC)
       store(x + m * N + i, load(x + m * N + i) + load(row + i) * r * load(w + i));
   }

@@ -70,7 +70,7 @@ class SlidingWindowBlocks:
         table = self.tables.get(seq_id)
         if table is None:
             return
-        behind = max((next_position - self.window + 1) // self.block_size, 0)
+        behind = self._first_visible(next_position)
         rows = np.flatnonzero(table[:behind, 0] >= 0)
         if len(rows):
             self.pool.release(table[rows].ravel().tolist())
@@ -103,13 +103,13 @@ class SlidingWindowBlocks:
                     self.pool.cache(int(table[j, k]), self._hash(block_hashes[j], k))
         self.cached[seq_id] = len(block_hashes)
 
-    def _window_first(self, num_hit_blocks: int) -> int:
-        """First logical block the query at position num_hit_blocks * B can see."""
-        return max(num_hit_blocks * self.block_size - self.window + 1, 0) // self.block_size
+    def _first_visible(self, position: int) -> int:
+        """First logical block a query at `position` sees (ids > position - W)."""
+        return max(position - self.window + 1, 0) // self.block_size
 
     def _lookup(self, block_hashes: List[int], m: int) -> Optional[np.ndarray]:
         """[m - first, groups] cached blocks of the window before a hit of m blocks, or None."""
-        lo = self._window_first(m)
+        lo = self._first_visible(m * self.block_size)
         found = np.empty((m - lo, self.num_groups), np.int64)
         for j in range(lo, m):
             for k in range(self.num_groups):
@@ -142,7 +142,7 @@ class SlidingWindowBlocks:
         found = self._lookup(block_hashes, num_hits)
         assert found is not None, f"{seq_id}: its sliding hit blocks left the cache"
         self.pool.touch(found.ravel().tolist())
-        table[self._window_first(num_hits):num_hits] = found
+        table[self._first_visible(num_hits * self.block_size):num_hits] = found
         self.held += found.size
 
     # ---- what the step reads -----------------------------------------------------------------
@@ -158,10 +158,10 @@ class SlidingWindowBlocks:
         return 0 if table is None else int((table[:, 0] >= 0).sum())
 
     def check_invariants(self, seq_id: str, next_position: int) -> None:
-        """No block behind the window of the next query, at most ceil(W / B) + 1 after a step
-        that ended in a decode position, and held counts the pool's references."""
+        """No block behind the window of the next query (the pool's accounting counts `held`:
+        KVManager.check_invariants)."""
         table = self.tables.get(seq_id)
         if table is None:
             return
-        behind = max((next_position - self.window + 1) // self.block_size, 0)
+        behind = self._first_visible(next_position)
         assert (table[:behind] < 0).all(), f"{seq_id}: a sliding block behind the window"

@@ -295,22 +295,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [M, 2I] float32, I % 16 == 0 -> silu(gate) * up [M, I]."""
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] float32, I % 16 == 0 -> act(gate) * up [M, I] by the C `kernel`."""
     gate_up = gate_up.contiguous()
     m, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(m, i, dtype=torch.float32)
-    _library().vtok_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
+    getattr(_library(), kernel)(gate_up.data_ptr(), m, i, out.data_ptr())
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (SwiGLU)."""
+    return _gated("vtok_silu_mul", gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [M, 2I] float32, I % 16 == 0 -> gelu_tanh(gate) * up [M, I] (GeGLU)."""
-    gate_up = gate_up.contiguous()
-    m, i = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(m, i, dtype=torch.float32)
-    _library().vtok_gelu_tanh_mul(gate_up.data_ptr(), m, i, out.data_ptr())
-    return out
+    """gelu_tanh(gate) * up (GeGLU)."""
+    return _gated("vtok_gelu_tanh_mul", gate_up)
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

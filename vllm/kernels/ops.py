@@ -206,8 +206,7 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
 # ---- decode attention ---------------------------------------------------------------------------
 def decode_backend(q: torch.Tensor) -> str:
     """The path decode_attention takes for q when no backend is named."""
-    if not q.is_cuda and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 \
-            and cpu_kernels_enabled():
+    if cpu_rows(q, q.shape[-1]):
         return "cpu"
     return _pick(None, q.is_cuda, ("triton", "torch"))
 
