@@ -24,6 +24,7 @@ def f32(*xs):
 
 
 def policy(name, lh=1, req="req-0", **kw):
+    kw.setdefault("min_tokens", 0)       # the paper's setups: no floor
     return make_policy(KVEvictionConfig(policy=name, **kw), req, lh)
 
 
@@ -54,12 +55,14 @@ def test_make_policy_classes_and_none():
 
 
 def test_budget_ratio_fixed_and_minimum():
-    cfg = KVEvictionConfig(policy="h2o", eviction_ratio=0.5)
+    cfg = KVEvictionConfig(policy="h2o", eviction_ratio=0.5, min_tokens=0)
     assert token_budget(cfg, 11, 1) == 5                      # floor(0.5 * 11)
     assert token_budget(cfg, 2, 3) == 3                       # never below the minimum
     # binary rounding: (1 - 0.9) * 10 = 0.9999999999999998 must still give 1
-    assert token_budget(KVEvictionConfig(policy="h2o", eviction_ratio=0.9), 10, 0) == 1
-    assert token_budget(KVEvictionConfig(policy="h2o", eviction_ratio=0.7), 10, 0) == 3
+    assert token_budget(KVEvictionConfig(policy="h2o", eviction_ratio=0.9, min_tokens=0),
+                        10, 0) == 1
+    assert token_budget(KVEvictionConfig(policy="h2o", eviction_ratio=0.7, min_tokens=0),
+                        10, 0) == 3
     fixed = KVEvictionConfig(policy="h2o", budget_tokens=7, eviction_ratio=0.9)
     assert token_budget(fixed, 1000, 1) == 7                  # fixed budget replaces the ratio
     assert policy("streamingllm", budget_tokens=2).budget(100) == 5     # 4 sinks + newest
@@ -380,7 +383,8 @@ def test_property_budget_and_protection(name, prompt, steps, budget, ratio, sink
     cfg = KVEvictionConfig(policy=name, budget_tokens=budget, eviction_ratio=ratio,
                            sink_tokens=sinks, recent_fraction=frac, scissorhands_window=sh[0],
                            scissorhands_recent=sh[1], scissorhands_drop=sh[2],
-                           snapkv_window=snap[0], snapkv_kernel=snap[1], seed=seed % 7)
+                           snapkv_window=snap[0], snapkv_kernel=snap[1], seed=seed % 7,
+                           min_tokens=0)
     p, rng = make_policy(cfg, f"req-{seed}", lh), np.random.default_rng(seed)
     live = np.arange(prompt, dtype=np.int64)
     colsum = rng.random(prompt).astype(np.float32) * lh if p.needs_attention_stats else None

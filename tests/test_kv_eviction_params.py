@@ -42,7 +42,7 @@ def test_default_floor_leaves_short_requests_untouched(tiny_llama, policy):
     long_prompt = random_prompts(1, seed=52, lo=700, hi=701)
     _, (evicted,) = generate(llm, long_prompt)
     assert evicted > 0
-    assert llm.llm_engine.kv_config.min_tokens == 512
+    assert llm.llm_engine.kv_config.floor == 512
 
 
 # ---- per request, offline ------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def hf_attention_colsum(model_dir, prompt, queries: int) -> np.ndarray:
 @pytest.mark.parametrize("policy", ["snapkv", "tova"])
 def test_prefill_scores_only_the_policys_query_window(tiny_llama, policy, chunk):
     prompt = random_prompts(1, seed=31, lo=80, hi=81)[0]
-    cfg = KVEvictionConfig(policy=policy, eviction_ratio=0.5)
+    cfg = KVEvictionConfig(policy=policy, eviction_ratio=0.5, min_tokens=0)
     window = cfg.snapkv_window if policy == "snapkv" else 1
     colsum = hf_attention_colsum(tiny_llama, prompt, window)
     cls = SnapKVPolicy if policy == "snapkv" else TOVAPolicy

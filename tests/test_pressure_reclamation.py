@@ -17,7 +17,8 @@ BS = 4
 
 
 def make(num_blocks: int, reclamation: str = "vtoken"):
-    cfg = KVEvictionConfig(policy="h2o", reclamation=reclamation, check_invariants=True)
+    cfg = KVEvictionConfig(policy="h2o", reclamation=reclamation, check_invariants=True,
+                           min_tokens=0)
     kv = KVManager(num_blocks, BS, False, cfg, num_layer_heads=1)
     return kv, Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128), kv)
 

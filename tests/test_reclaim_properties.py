@@ -24,6 +24,7 @@ class Harness:
 
     def __init__(self, delay: int, frag: float, fill: bool = False):
         cfg = KVEvictionConfig(policy="random", frag_threshold=frag, check_invariants=True,
+                               min_tokens=0,
                                reclamation="vtoken-fill" if fill else "vtoken")
         self.kvm = KVManager(NUM_BLOCKS, BS, False, cfg, num_layer_heads=1)
         self.bm = self.kvm.bm

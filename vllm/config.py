@@ -11,6 +11,8 @@ from vllm.attention.kv_quant import KV_CACHE_DTYPES
 
 EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-window",
                      "random", "tova", "snapkv", "knorm", "keydiff")
+EVICTION_SCOPES = ("all", "generated")   # which tokens a policy may evict and a budget counts
+DEFAULT_MIN_TOKENS = 512   # the floor under ratio budgets when no --kv-min-tokens is named
 RECLAMATION_MODES = ("vtoken", "vtoken-fill", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")
@@ -144,7 +146,9 @@ class KVEvictionConfig:
     policy: str = "none"
     eviction_ratio: float = 0.5             # fraction evicted; budget = floor((1 - r) * n)
     budget_tokens: Optional[int] = None     # fixed budget instead of the ratio
-    min_tokens: int = 0                     # floor: never fewer live tokens (EngineArgs: 512)
+    min_tokens: Optional[int] = None        # floor (see `floor`); None: the default floor
+    scope: str = "all"                      # all | generated: the prompt is never evicted
+    interval: int = 1                       # evict at budget + interval, back down to budget
     prefill_chunk: Optional[int] = None     # evict after every N prompt tokens (None: at its end)
     sink_tokens: Optional[int] = None       # None: policy default (4 for streamingllm, else 0)
     recent_fraction: float = 0.5            # H2O: share of the budget kept as the recent window
@@ -153,6 +157,9 @@ class KVEvictionConfig:
     scissorhands_drop: Optional[int] = None  # m: tokens dropped at once (default budget // 2)
     snapkv_window: int = 32                 # last prompt queries that vote
     snapkv_kernel: int = 7                  # max-pool kernel over the votes
+    rkv_window: int = 8                     # R-KV: decode steps whose attention is importance
+    rkv_lambda: float = 0.1                 # R-KV: weight of importance against redundancy
+    value_protect_fraction: float = 0.1     # value-random: budget share kept by largest ||v||
     seed: int = 0
     reclamation: str = "vtoken"
     frag_threshold: float = 0.25            # dead share of private slots that makes a request eligible
@@ -167,7 +174,14 @@ class KVEvictionConfig:
                f"must be in [0, 1), got {self.eviction_ratio}")
         _check(self.budget_tokens is None or self.budget_tokens >= 1, "--kv-budget-tokens",
                f"must be >= 1, got {self.budget_tokens}")
-        _check(self.min_tokens >= 0, "--kv-min-tokens", f"must be >= 0, got {self.min_tokens}")
+        _check(self.min_tokens is None or self.min_tokens >= 0, "--kv-min-tokens",
+               f"must be >= 0, got {self.min_tokens}")
+        _check(self.scope in EVICTION_SCOPES, "--kv-evict-scope",
+               f"must be one of {EVICTION_SCOPES}, got {self.scope!r}")
+        _check(self.interval >= 1, "--kv-evict-interval", f"must be >= 1, got {self.interval}")
+        _check(not (self.policy == "snapkv" and self.scope == "generated"), "--kv-evict-scope",
+               "snapkv compresses the prompt only, so with scope generated it would never evict; "
+               "use scope all, or a policy that evicts while decoding")
         _check(self.prefill_chunk is None or self.prefill_chunk >= 1, "--kv-prefill-chunk",
                f"must be >= 1, got {self.prefill_chunk}")
         _check(self.sink_tokens is None or self.sink_tokens >= 0, "--kv-sink-tokens",
@@ -182,10 +196,23 @@ class KVEvictionConfig:
                "--kv-eviction-policy scissorhands", "window must be >= 1 and recent >= 0")
         _check(self.snapkv_window >= 1 and self.snapkv_kernel >= 1 and self.snapkv_kernel % 2 == 1,
                "--kv-eviction-policy snapkv", "window must be >= 1 and kernel a positive odd number")
+        _check(self.rkv_window >= 1 and 0.0 <= self.rkv_lambda <= 1.0,
+               "--kv-eviction-policy rkv", "window must be >= 1 and lambda in [0, 1]")
+        _check(0.0 <= self.value_protect_fraction <= 1.0, "--kv-eviction-policy value-random",
+               f"protect fraction must be in [0, 1], got {self.value_protect_fraction}")
 
     @property
     def enabled(self) -> bool:
         return self.policy != "none"
+
+    @property
+    def floor(self) -> int:
+        """Live tokens a budget never goes below: --kv-min-tokens when named; else
+        DEFAULT_MIN_TOKENS under a ratio budget (short chats are left alone) and 0 under a budget
+        the user named (an explicit --kv-budget-tokens / kv_budget_tokens is honoured)."""
+        if self.min_tokens is not None:
+            return self.min_tokens
+        return 0 if self.budget_tokens is not None else DEFAULT_MIN_TOKENS
 
     @property
     def sinks(self) -> int:

@@ -10,6 +10,11 @@ A prompt's chunks are scored together and the policy runs once at the prompt's e
 request streams: with --kv-prefill-chunk N, or in a re-prefill after preemption (the request may
 have outgrown the pool), it evicts as it goes (the first chunk is its "prompt", each later chunk one
 multi-query "decode" step), so a long prompt never holds more than its budget plus one chunk.
+
+Under --kv-evict-scope generated the first prompt holds nothing the policy may evict: it is not
+scored (every policy takes prefix-cache hits on it), not streamed, and the policy first runs on
+the first generated token. A re-prefill after preemption holds generated tokens, so it runs as
+under scope all.
 """
 from typing import Callable, Optional, Set
 
@@ -39,7 +44,7 @@ class EvictionDriver:
         """The request's policy (its own settings or the engine's); None: it never evicts."""
         if seq.policy is None:
             seq.policy = make_policy(seq.kv_config or self.config, seq.seq_id,
-                                     self.num_layer_heads)
+                                     self.num_layer_heads, seq.num_prompt_tokens)
         return seq.policy
 
     def config_of(self, seq: Sequence) -> KVEvictionConfig:
@@ -48,14 +53,18 @@ class EvictionDriver:
     def evicts(self, seq: Sequence) -> bool:
         return self.config_of(seq).enabled
 
+    def prompt_only(self, seq: Sequence) -> bool:
+        """This admission prefills the prompt alone under scope generated: nothing to evict."""
+        return self.config_of(seq).scope == "generated" and not seq.num_preemptions
+
     def streams(self, seq: Sequence) -> bool:
         """Its prompt (or re-prefill) evicts chunk by chunk instead of once at the end."""
-        return self.evicts(seq) and (seq.num_preemptions > 0 or
-                                     self.config_of(seq).prefill_chunk is not None)
+        return self.evicts(seq) and not self.prompt_only(seq) and (
+            seq.num_preemptions > 0 or self.config_of(seq).prefill_chunk is not None)
 
     def scored_queries(self, seq: Sequence) -> int:
         """How many of the last prompt queries the policy scores with (0: none, ALL: every)."""
-        if not self.evicts(seq):
+        if not self.evicts(seq) or self.prompt_only(seq):
             return 0
         p = self.policy(seq)
         if not (p.needs_attention_stats and p.needs_prefill_stats):
@@ -65,7 +74,7 @@ class EvictionDriver:
     def max_cache_hits(self, seq: Sequence) -> Optional[int]:
         """Prefix-cache hits must not skip a query the policy scores with: a hit's queries never
         run, so their attention would be missing and the eviction decisions would change."""
-        if not self.evicts(seq):
+        if not self.evicts(seq) or self.prompt_only(seq):
             return None
         if self.config_of(seq).prefill_chunk is not None:
             return 0                      # a hit would move where the chunks (and evictions) fall
@@ -109,7 +118,11 @@ class EvictionDriver:
         """The policy runs after this step and the request will be over its budget."""
         start, n = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         runs = start >= seq.prefill_end or n >= self._segment_end(seq, start, num_new)
-        return runs and self.bm.token_table.num_live(seq.seq_id) > self.policy(seq).budget(n)
+        if not runs:
+            return False
+        p = self.policy(seq)     # under scope generated the prompt is all live and not counted
+        counted = self.bm.token_table.num_live(seq.seq_id) - min(p.scope_start, n)
+        return p.over_budget(counted, n) > 0
 
     def _segment_end(self, seq: Sequence, start: int, num_new: int) -> int:
         """The prompt position after which the policy next runs, for a chunk starting at
@@ -140,9 +153,10 @@ class EvictionDriver:
         if row.key_statistic is not None:
             self.policy(row.seq).observe_key_statistic(row.view_ids, row.key_statistic)
         evict = self._run_policy(row)
+        seq, policy = row.seq, self.policy(row.seq)
+        seq.kv_stats["budget_tokens"] = policy.scope_start + policy.budget(seq.num_computed_tokens)
         if len(evict) == 0:
             return
-        seq = row.seq
         if seq.clean_tokens is None:
             seq.clean_tokens = seq.num_computed_tokens
         self.bm.token_table.evict_tokens(seq.seq_id, evict)
@@ -173,6 +187,8 @@ class EvictionDriver:
         if seq.policy_ran:                             # a later segment of a streamed prompt
             return policy.on_decode(r.view_ids, scores, n)
         seq.policy_ran = True
+        if self.prompt_only(seq):                      # nothing it may evict (not scored)
+            return np.empty(0, np.int64)
         return policy.on_prefill(r.view_ids, scores, n)
 
     def free_dead_blocks(self, seq: Sequence) -> None:

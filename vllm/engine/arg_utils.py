@@ -4,14 +4,16 @@ import dataclasses
 from dataclasses import InitVar, dataclass
 from typing import Optional
 
-from vllm.config import (DEVICES, DISTRIBUTED_BACKENDS, EVICTION_POLICIES, KV_CACHE_DTYPES,
+from vllm.config import (DEFAULT_MIN_TOKENS, DEVICES, DISTRIBUTED_BACKENDS, EVICTION_POLICIES,
+                         EVICTION_SCOPES, KV_CACHE_DTYPES,
                          QUANTIZATION_METHODS, RECLAMATION_MODES, KVEvictionConfig,
                          ParallelConfig)
 
 _KV_FIELDS = {  # EngineArgs field -> KVEvictionConfig field
     "kv_eviction_policy": "policy", "kv_eviction_ratio": "eviction_ratio",
     "kv_budget_tokens": "budget_tokens", "kv_min_tokens": "min_tokens",
-    "kv_prefill_chunk": "prefill_chunk",
+    "kv_prefill_chunk": "prefill_chunk", "kv_evict_scope": "scope",
+    "kv_evict_interval": "interval",
     "kv_sink_tokens": "sink_tokens",
     "kv_recent_fraction": "recent_fraction", "kv_reclamation": "reclamation",
     "kv_frag_threshold": "frag_threshold", "kv_check_invariants": "check_invariants",
@@ -50,8 +52,10 @@ class EngineArgs:
     kv_eviction_policy: str = "none"
     kv_eviction_ratio: float = 0.5
     kv_budget_tokens: Optional[int] = None
-    kv_min_tokens: int = 512               # short chats are never evicted from
+    kv_min_tokens: Optional[int] = None    # None: KVEvictionConfig.floor decides
     kv_prefill_chunk: Optional[int] = None
+    kv_evict_scope: str = "all"
+    kv_evict_interval: int = 1
     kv_sink_tokens: Optional[int] = None
     kv_recent_fraction: float = 0.5
     kv_reclamation: str = "vtoken"
@@ -135,13 +139,24 @@ class EngineArgs:
         add("--kv-eviction-ratio", type=float, default=0.5,
             help="fraction of tokens evicted (budget = floor((1 - r) * length))")
         add("--kv-budget-tokens", type=int, default=None, help="fixed per-request token budget")
-        add("--kv-min-tokens", type=int, default=512,
+        add("--kv-min-tokens", type=int, default=None,
             help="floor under every budget: a request never holds fewer live tokens because of "
-                 "eviction (short contexts are left alone); 0 reproduces the paper's setups")
+                 f"eviction. Unnamed: {DEFAULT_MIN_TOKENS} under a ratio budget (short contexts "
+                 "are left alone) and none under a budget a flag or request names; 0 reproduces "
+                 "the paper's setups")
         add("--kv-prefill-chunk", type=int, default=None,
             help="evict while a long prompt streams in: run the policy after every N prompt "
                  "tokens, so a prompt never holds more than budget + N (default: once, at the "
                  "prompt's end)")
+        add("--kv-evict-scope", type=str, default="all", choices=list(EVICTION_SCOPES),
+            help="all: any token may be evicted and budgets count every token; generated: the "
+                 "prompt is never evicted, budgets and ratios count generated tokens (a request "
+                 "holds its prompt plus at most the budget), and every policy takes "
+                 "prefix-cache hits on the prompt")
+        add("--kv-evict-interval", type=int, default=1,
+            help="evict in batches: a request evicts once its live (counted) tokens reach "
+                 "budget + N, back down to the budget, so policies and repacking run once per N "
+                 "tokens")
         add("--kv-sink-tokens", type=int, default=None)
         add("--kv-recent-fraction", type=float, default=0.5)
         add("--kv-reclamation", type=str, default="vtoken", choices=list(RECLAMATION_MODES),

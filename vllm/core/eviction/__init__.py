@@ -25,12 +25,13 @@ POLICY_CLASSES = {
 }
 
 
-def make_policy(config: KVEvictionConfig, request_id: str,
-                num_layer_heads: int) -> Optional[EvictionPolicy]:
-    """A fresh policy for one request (None for --kv-eviction-policy none)."""
+def make_policy(config: KVEvictionConfig, request_id: str, num_layer_heads: int,
+                prompt_len: int = 0) -> Optional[EvictionPolicy]:
+    """A fresh policy for one request (None for --kv-eviction-policy none); prompt_len: where
+    scope generated starts counting."""
     if not config.enabled:
         return None
-    return POLICY_CLASSES[config.policy](config, request_id, num_layer_heads)
+    return POLICY_CLASSES[config.policy](config, request_id, num_layer_heads, prompt_len)
 
 
 __all__ = ["EvictionPolicy", "H2OPolicy", "KeyDiffPolicy", "KNormPolicy", "RandomPolicy", "ScissorhandsPolicy", "SnapKVPolicy",

@@ -7,6 +7,12 @@ returned ids to `token_table.evict_tokens` and never shows them to the policy ag
 
 Every policy protects the sinks (ids < `sinks`) and the newest live token, so the budget never drops
 below `minimum = sinks + recent_minimum` (see `token_budget`).
+
+Scope (--kv-evict-scope): under "all" every token counts and may go. Under "generated" the prompt
+(ids < prompt length) is never evicted and counts for nothing: budgets, ratios and sinks are over
+the generated tokens, so a request holds its prompt plus at most the budget of generated tokens.
+Interval (--kv-evict-interval N): a policy evicts only once its counted live tokens reach
+budget + N, and then back down to the budget (`excess`); N = 1 evicts whenever it is over.
 """
 import math
 from typing import Optional
@@ -17,16 +23,16 @@ from vllm.config import KVEvictionConfig
 
 
 def token_budget(config: KVEvictionConfig, seq_len: int, minimum: int) -> int:
-    """Tokens a request of total length `seq_len` may keep: the fixed --kv-budget-tokens if given,
-    else floor((1 - r) * n) for --kv-eviction-ratio r (r = 0: n, nothing evicted); never below
-    --kv-min-tokens (short contexts are left alone) nor `minimum`, since sinks and the policy's
-    recent tokens cannot be evicted."""
+    """Tokens a request of counted length `seq_len` may keep: the fixed --kv-budget-tokens if
+    given, else floor((1 - r) * n) for --kv-eviction-ratio r (r = 0: n, nothing evicted); never
+    below the floor (`config.floor`: short contexts are left alone) nor `minimum`, since sinks and
+    the policy's recent tokens cannot be evicted."""
     if config.budget_tokens is not None:
         target = config.budget_tokens
     else:
         # The epsilon absorbs binary rounding: (1 - 0.9) * 10 = 0.9999999999999998 -> 1, not 0.
         target = math.floor((1.0 - config.eviction_ratio) * seq_len + 1e-6)
-    return max(minimum, config.min_tokens, target)
+    return max(minimum, config.floor, target)
 
 
 def grown(array: np.ndarray, size: int) -> np.ndarray:
@@ -51,12 +57,16 @@ class EvictionPolicy:
     # (mean over layers and KV heads) on steps where the request is over budget
     key_statistic: Optional[str] = None
 
-    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int):
+    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int,
+                 prompt_len: int = 0):
         assert num_layer_heads >= 1, num_layer_heads
         self.config = config
         self.request_id = request_id
         self.num_layer_heads = num_layer_heads
-        self.sinks = config.sinks
+        # the first counted id: the prompt's end under scope generated, else 0
+        self.scope_start = prompt_len if config.scope == "generated" else 0
+        self.first_evictable = max(config.sinks, self.scope_start)   # ids below never go
+        self.sinks = max(config.sinks - self.scope_start, 0)          # sinks that are counted
         # Optional hint: colsum needs only the last q prompt queries (None: every prompt query).
         self.prefill_query_window: Optional[int] = None
 
@@ -69,7 +79,21 @@ class EvictionPolicy:
         return 1
 
     def budget(self, seq_len: int) -> int:
-        return token_budget(self.config, seq_len, self.sinks + self.recent_minimum)
+        """Counted tokens (those from scope_start on) a request of length seq_len may keep."""
+        return token_budget(self.config, seq_len - self.scope_start,
+                            self.sinks + self.recent_minimum)
+
+    def over_budget(self, num_counted: int, seq_len: int) -> int:
+        """Tokens to evict now when num_counted counted tokens are live: 0 until they reach
+        budget + interval, then all the way down to the budget."""
+        # budget 8, interval 4: 9..11 live -> 0; 12 -> 4
+        over = num_counted - self.budget(seq_len)
+        return over if over >= self.config.interval else 0
+
+    def excess(self, live_ids: np.ndarray, seq_len: int) -> int:
+        """over_budget for the live ids (ascending) of a request of length seq_len."""
+        counted = len(live_ids) - int(np.searchsorted(live_ids, self.scope_start))
+        return self.over_budget(counted, seq_len)
 
     def recent_window(self, budget: int) -> int:
         """H2O-style split: --kv-recent-fraction of the non-sink budget, at least the new token."""
@@ -87,9 +111,10 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def evictable(self, live_ids: np.ndarray, recent: int) -> np.ndarray:
-        """Mask of live tokens that may go: not a sink, not among the `recent` newest."""
+        """Mask of live tokens that may go: not a sink nor (scope generated) in the prompt, not
+        among the `recent` newest."""
         # sinks=2, recent=2: ids [0, 1, 5, 6, 7, 8] -> [F, F, T, T, F, F]
-        ok = live_ids >= self.sinks
+        ok = live_ids >= self.first_evictable
         ok[max(len(live_ids) - recent, 0):] = False
         return ok
 

@@ -12,8 +12,9 @@ class H2OPolicy(EvictionPolicy):
     S(j) = prefill column sum + every decode step's a(j). Bulk eviction after the prompt, then
     evict until |K| <= budget after every decode step (one-in-one-out under a fixed budget)."""
 
-    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int):
-        super().__init__(config, request_id, num_layer_heads)
+    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int,
+                 prompt_len: int = 0):
+        super().__init__(config, request_id, num_layer_heads, prompt_len)
         self.scores = np.zeros(0, np.float32)     # S(j) by logical id; 0 once evicted
 
     def on_prefill(self, live_ids: np.ndarray, colsum: Optional[np.ndarray],
@@ -29,7 +30,8 @@ class H2OPolicy(EvictionPolicy):
         self.scores = grown(self.scores, int(live_ids[-1]) + 1)
         self.scores[live_ids] += mass
         budget = self.budget(seq_len)
-        victims = self.pick_lowest(live_ids, len(live_ids) - budget, self.recent_window(budget),
+        victims = self.pick_lowest(live_ids, self.excess(live_ids, seq_len),
+                                   self.recent_window(budget),
                                    self.scores[live_ids])
         self.scores[victims] = 0.0
         return victims

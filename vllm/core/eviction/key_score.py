@@ -16,8 +16,8 @@ class KeyScorePolicy(EvictionPolicy):
     needs_prefill_stats = False
     needs_decode_stats = False
 
-    def __init__(self, config, request_id: str, num_layer_heads: int):
-        super().__init__(config, request_id, num_layer_heads)
+    def __init__(self, config, request_id: str, num_layer_heads: int, prompt_len: int = 0):
+        super().__init__(config, request_id, num_layer_heads, prompt_len)
         self.score_ids = np.empty(0, np.int64)
         self.score = np.empty(0, np.float32)
 
@@ -33,7 +33,7 @@ class KeyScorePolicy(EvictionPolicy):
         return self._evict_largest(live_ids, seq_len)
 
     def _evict_largest(self, live_ids: np.ndarray, seq_len: int) -> np.ndarray:
-        over = len(live_ids) - self.budget(seq_len)
+        over = self.excess(live_ids, seq_len)
         if over <= 0:
             return no_eviction()
         assert np.array_equal(self.score_ids, live_ids), "needs this step's key statistic"

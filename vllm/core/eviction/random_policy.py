@@ -29,10 +29,9 @@ class RandomPolicy(EvictionPolicy):
         return np.random.default_rng(key)
 
     def _evict_random(self, live_ids: np.ndarray, seq_len: int) -> np.ndarray:
-        budget = self.budget(seq_len)
-        over = len(live_ids) - budget
+        over = self.excess(live_ids, seq_len)
         if over <= 0:
             return no_eviction()
-        eligible = live_ids[self.evictable(live_ids, self.recent_window(budget))]
+        eligible = live_ids[self.evictable(live_ids, self.recent_window(self.budget(seq_len)))]
         victims = self.rng(seq_len).choice(eligible, size=over, replace=False)
         return np.sort(victims).astype(np.int64)

@@ -15,8 +15,9 @@ class ScissorhandsPolicy(EvictionPolicy):
     it evicts only down to the budget, oldest unprotected first by the tie rule, ignoring colsum."""
     needs_prefill_stats = False
 
-    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int):
-        super().__init__(config, request_id, num_layer_heads)
+    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int,
+                 prompt_len: int = 0):
+        super().__init__(config, request_id, num_layer_heads, prompt_len)
         self.window = config.scissorhands_window
         self.counts = np.zeros(0, np.int32)                # by logical id; 0 once evicted
         self.low = np.zeros((self.window, 0), np.bool_)    # ring: low[step % w, id]
@@ -29,7 +30,7 @@ class ScissorhandsPolicy(EvictionPolicy):
     def on_prefill(self, live_ids: np.ndarray, colsum: Optional[np.ndarray],
                    seq_len: int) -> np.ndarray:
         self._reserve(int(live_ids[-1]) + 1)
-        return self._drop(live_ids, len(live_ids) - self.budget(seq_len))
+        return self._drop(live_ids, self.excess(live_ids, seq_len))
 
     def on_decode(self, live_ids: np.ndarray, attn_mass: Optional[np.ndarray],
                   seq_len: int) -> np.ndarray:
@@ -37,12 +38,11 @@ class ScissorhandsPolicy(EvictionPolicy):
             "Scissorhands needs decode attention statistics"
         self._reserve(int(live_ids[-1]) + 1)
         self._record_low(live_ids, attn_mass)
-        budget = self.budget(seq_len)
-        over = len(live_ids) - budget
+        over = self.excess(live_ids, seq_len)
         if over <= 0:
             return no_eviction()
         drop = self.config.scissorhands_drop
-        return self._drop(live_ids, max(over, budget // 2 if drop is None else drop))
+        return self._drop(live_ids, max(over, self.budget(seq_len) // 2 if drop is None else drop))
 
     def _reserve(self, size: int) -> None:
         self.counts = grown(self.counts, size)

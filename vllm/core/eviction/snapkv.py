@@ -25,8 +25,9 @@ class SnapKVPolicy(EvictionPolicy):
     every chunk by the votes of that chunk's last w queries."""
     needs_decode_stats = False
 
-    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int):
-        super().__init__(config, request_id, num_layer_heads)
+    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int,
+                 prompt_len: int = 0):
+        super().__init__(config, request_id, num_layer_heads, prompt_len)
         self.window = config.snapkv_window
         self.prefill_query_window = self.window
 
@@ -36,7 +37,7 @@ class SnapKVPolicy(EvictionPolicy):
 
     def on_prefill(self, live_ids: np.ndarray, colsum: Optional[np.ndarray],
                    seq_len: int) -> np.ndarray:
-        over = len(live_ids) - self.budget(seq_len)
+        over = self.excess(live_ids, seq_len)
         if over <= 0:
             return no_eviction()
         assert colsum is not None and len(colsum) == len(live_ids), "SnapKV needs prefill colsum"

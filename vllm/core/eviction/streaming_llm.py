@@ -25,9 +25,9 @@ class StreamingLLMPolicy(EvictionPolicy):
         return self._evict_oldest(live_ids, seq_len)
 
     def _evict_oldest(self, live_ids: np.ndarray, seq_len: int) -> np.ndarray:
-        over = len(live_ids) - self.budget(seq_len)
+        over = self.excess(live_ids, seq_len)
         if over <= 0:
             return no_eviction()
         # budget >= sinks + 1 keeps the newest token: sinks=4, budget=8, live [0..9]
         # -> non-sinks [4..9] -> evict the first 2: [4, 5]
-        return live_ids[live_ids >= self.sinks][:over].astype(np.int64)
+        return live_ids[live_ids >= self.first_evictable][:over].astype(np.int64)

@@ -12,8 +12,9 @@ class TOVAPolicy(EvictionPolicy):
     protected. At prefill the score is colsum; the reference scores with the last prompt query
     only, so `prefill_query_window = 1` asks the engine for exactly that (all queries otherwise)."""
 
-    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int):
-        super().__init__(config, request_id, num_layer_heads)
+    def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int,
+                 prompt_len: int = 0):
+        super().__init__(config, request_id, num_layer_heads, prompt_len)
         self.prefill_query_window = 1
 
     def on_prefill(self, live_ids: np.ndarray, colsum: Optional[np.ndarray],
@@ -26,5 +27,5 @@ class TOVAPolicy(EvictionPolicy):
 
     def _keep_top(self, live_ids, score, seq_len) -> np.ndarray:
         assert score is not None and len(score) == len(live_ids), "TOVA needs attention statistics"
-        over = len(live_ids) - self.budget(seq_len)
+        over = self.excess(live_ids, seq_len)
         return self.pick_lowest(live_ids, over, 1, np.asarray(score, np.float32))

@@ -71,6 +71,9 @@ class KVUsage(ResponseModel):
     evicted_tokens: int = 0
     live_tokens: int = 0
     peak_blocks: int = 0
+    budget_tokens: Optional[int] = None   # the effective budget (live tokens held at most, the
+                                          # prompt included under scope generated); None: no
+                                          # policy ran
 
 
 class UsageInfo(ResponseModel):
@@ -154,6 +157,8 @@ class SamplingRequest(RequestModel):
     kv_budget_tokens: Optional[int] = None
     kv_min_tokens: Optional[int] = None
     kv_prefill_chunk: Optional[int] = None
+    kv_evict_scope: Optional[str] = None       # all | generated
+    kv_evict_interval: Optional[int] = None    # evict at budget + N, back to the budget
     kv_usage: bool = False       # ours: report usage.kv (also on with --kv-usage-in-response)
     # upstream vLLM's token-level extensions
     allowed_token_ids: Optional[List[int]] = None

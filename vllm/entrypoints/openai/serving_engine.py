@@ -221,9 +221,7 @@ class OpenAIServing:
 
     @staticmethod
     def kv_eviction(req: SamplingRequest) -> Optional[KVEvictionParams]:
-        # body field kv_<name> per KVEvictionParams field (policy: kv_eviction_policy)
-        given = {f.name: getattr(req, "kv_eviction_policy" if f.name == "policy"
-                                 else f"kv_{f.name}")
+        given = {f.name: getattr(req, KVEvictionParams.body_field(f.name))
                  for f in dataclasses.fields(KVEvictionParams)}
         if all(v is None for v in given.values()):
             return None
@@ -241,8 +239,10 @@ class OpenAIServing:
 
         def total(key):
             return int(sum(f.kv_stats.get(key, 0) for f in finals))
+        budgets = [f.kv_stats["budget_tokens"] for f in finals if "budget_tokens" in f.kv_stats]
         return KVUsage(evicted_tokens=total("evicted_tokens"), live_tokens=total("live_tokens"),
-                       peak_blocks=total("peak_blocks"))
+                       peak_blocks=total("peak_blocks"),
+                       budget_tokens=int(max(budgets)) if budgets else None)
 
     # ---- running requests -----------------------------------------------------------------------
     async def generate_many(self, prompts: List[Dict], params: SamplingParams, request_id: str,
