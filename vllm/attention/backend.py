@@ -6,7 +6,12 @@ Prefill on CUDA runs the step's spans as one batched call (AttentionMetadata.pre
 xformers' block-diagonal causal bias for spans without an explicit mask when xformers is
 installed; spans with a mask (continued chunks, evicted keys), or every span without xformers,
 in one padded SDPA call. On CPU spans run one by one (the tuned path; prefill_path="batched"
-runs the batched one, for tests). Spans that collect column sums always run alone, tiled.
+runs the batched one, for tests).
+
+Statistics never change the arithmetic of attention: a span that collects column sums (or a
+decode step that collects mass) gets its output from the very call it would get without them,
+and the statistics are computed beside it (a tiled second pass over the scored queries), so a
+request whose policy has evicted nothing yet produces the tokens of --kv-eviction-policy none.
 
 The KV cache of one layer is a flat array of slots:
 
@@ -132,9 +137,9 @@ class AttentionMetadata:
 
     @functools.cached_property
     def prefill_batches(self) -> List[ops.PrefillBatch]:
-        """The spans without column sums as at most two batched calls, built on first use (all
-        layers share them): xformers takes the plain-causal spans, padded SDPA the rest."""
-        spans = [s for s in self.prefills if s.colsum is None]
+        """The spans as at most two batched calls, built on first use (all layers share them):
+        xformers takes the plain-causal spans, padded SDPA the rest."""
+        spans = self.prefills
         if not spans:
             return []
         which = ops.prefill_backend(spans[0].kv_slots.device)
@@ -171,9 +176,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         out[:b] = _decode(q[:b], kv_cache, meta, scale, decode_path)
     batched = (prefill_path or ("batched" if q.is_cuda else "span")) == "batched"
     for span in meta.prefills:
-        if span.colsum is not None or not batched:
-            out[span.q_start:span.q_end] = _prefill(q[span.q_start:span.q_end], kv_cache, span,
-                                                    scale)
+        if batched and span.colsum is None:
+            continue
+        kv = kv_quant.gather(kv_cache, span.kv_slots, q.dtype)   # [Lk, 2, KVH, D] (fp8: widened)
+        qs = q[span.q_start:span.q_end]
+        if not batched:
+            out[span.q_start:span.q_end] = _prefill(qs, kv, span.mask, scale)
+        if span.colsum is not None:
+            _add_colsum(qs, kv, span, scale)
     if batched:
         for batch in meta.prefill_batches:
             kv = kv_quant.gather(kv_cache, batch.kv_slots, q.dtype)     # every span's K/V, one gather
@@ -189,36 +199,28 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                                 meta.decode_mass, backend=which, torch_view=view)
 
 
-def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
+def _prefill(q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor],
              scale: float) -> torch.Tensor:
-    kv = kv_quant.gather(kv_cache, span.kv_slots, q.dtype)    # [Lk, 2, KVH, D] (fp8: dequantized)
+    """q [q, H, D] against a span's gathered kv [Lk, 2, KVH, D] -> [q, H, D]."""
     k = kv[:, 0].transpose(0, 1)                     # [KVH, Lk, D]
     v = kv[:, 1].transpose(0, 1)
-    qh = q.transpose(0, 1)                           # [H, q, D]
-    if span.colsum is None:
-        return ops.prefill_attention(qh, k, v, span.mask, scale).transpose(0, 1)
-    return _prefill_with_colsum(qh, k, v, span, scale).transpose(0, 1)
+    return ops.prefill_attention(q.transpose(0, 1), k, v, mask, scale).transpose(0, 1)
 
 
-def _prefill_with_colsum(qh, k, v, span, scale):
-    """Tiled over queries: O(tile * Lk) memory per head, never the full Lq x Lk matrix. Only
-    queries from span.colsum_from on add to the column sums."""
-    h, lq, d = qh.shape
-    kvh, lk, _ = k.shape
-    qg = qh.reshape(kvh, h // kvh, lq, d)
+def _add_colsum(q: torch.Tensor, kv: torch.Tensor, span: PrefillSpan, scale: float) -> None:
+    """span.colsum += the attention probabilities of its queries from span.colsum_from on,
+    summed over queries and heads: tiled over queries, O(tile * Lk) memory per head, never the
+    full Lq x Lk matrix. Beside the attention call, never instead of it."""
+    lq, h, d = q.shape
+    lk, kvh = kv.shape[0], kv.shape[2]
+    first = min(span.colsum_from, lq)
+    qg = q[first:].transpose(0, 1).reshape(kvh, h // kvh, lq - first, d)
+    kt = kv[:, 0].permute(1, 2, 0).unsqueeze(1)      # [KVH, 1, D, Lk]
     mask = span.mask
     if mask is None:   # plain causal: query i sees keys 0..i + (Lk - Lq)
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=qh.device).tril(lk - lq)
-    out = torch.empty_like(qg)
-    kt = k.transpose(1, 2).unsqueeze(1)              # [KVH, 1, D, Lk]
-    vv = v.unsqueeze(1)                              # [KVH, 1, Lk, D]
-    for s in range(0, lq, QUERY_TILE):
-        e = min(s + QUERY_TILE, lq)
-        scores = torch.matmul(qg[:, :, s:e], kt) * scale
-        scores.masked_fill_(~mask[s:e], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        first = max(span.colsum_from - s, 0)          # scored queries of this tile start here
-        if first < e - s:
-            span.colsum += probs[:, :, first:].sum(dim=(0, 1, 2), dtype=torch.float32)
-        out[:, :, s:e] = torch.matmul(probs, vv)
-    return out.reshape(h, lq, d)
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    for s in range(0, lq - first, QUERY_TILE):
+        e = min(s + QUERY_TILE, lq - first)
+        scores = torch.matmul(qg[:, :, s:e].float(), kt.float()) * scale
+        scores.masked_fill_(~mask[first + s:first + e], float("-inf"))
+        span.colsum += torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))

@@ -259,16 +259,14 @@ def _decode_torch(q, kv_cache, gather, bias, scale, mass):
     kv = kv.view(b, width, 2, kv_cache.shape[2], d)              # [B, L, 2, KVH, D]
     k = kv[:, :, 0].transpose(1, 2)                              # [B, KVH, L, D]
     v = kv[:, :, 1].transpose(1, 2)
-    if mass is None:
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=bias, scale=scale,
-                                             enable_gqa=True)
-        return out.view(b, h, d)
-    kvh = k.shape[1]
-    qg = q.view(b, kvh, h // kvh, d)                 # query heads grouped by their KV head
-    scores = torch.matmul(qg, k.transpose(2, 3)) * scale + bias    # float32, as the bias
-    probs = torch.softmax(scores, dim=-1)            # [B, KVH, G, L]
-    mass[:, :width] += probs.sum(dim=(1, 2), dtype=torch.float32)
-    return torch.matmul(probs.to(v.dtype), v).reshape(b, h, d)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=bias, scale=scale,
+                                         enable_gqa=True)
+    if mass is not None:        # beside the attention call, never instead of it
+        kvh = k.shape[1]
+        qg = q.view(b, kvh, h // kvh, d)             # query heads grouped by their KV head
+        scores = torch.matmul(qg.float(), k.float().transpose(2, 3)) * scale + bias
+        mass[:, :width] += torch.softmax(scores, dim=-1).sum(dim=(1, 2), dtype=torch.float32)
+    return out.view(b, h, d)
 
 
 # ---- greedy sampling ----------------------------------------------------------------------------
