@@ -158,6 +158,10 @@ class AsyncLLMEngine:
         return self.engine.model_config
 
     @property
+    def kv_config(self):
+        return self.engine.kv_config
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -219,14 +219,17 @@ class OpenAIServing:
         except StructuredOutputError as e:
             raise OpenAIError(str(e), param=constraint.field) from None
 
-    @staticmethod
-    def kv_eviction(req: SamplingRequest) -> Optional[KVEvictionParams]:
+    def kv_eviction(self, req: SamplingRequest) -> Optional[KVEvictionParams]:
+        """The body's kv_* fields, checked alone and against the server's flags (a 400 names
+        the field)."""
         given = {f.name: getattr(req, KVEvictionParams.body_field(f.name))
                  for f in dataclasses.fields(KVEvictionParams)}
         if all(v is None for v in given.values()):
             return None
         try:
-            return KVEvictionParams(**given)
+            params = KVEvictionParams(**given)
+            params.apply(self.engine.kv_config)
+            return params
         except ValueError as e:
             raise OpenAIError(str(e), param=str(e).split(":", 1)[0]) from None
 
