@@ -12,6 +12,12 @@ for the KV it saves.
 (c) One plot per task: quality versus KV blocks held per request (mean over every computed token,
     relative to Native on the same input): each policy's points in budget order trace its
     frontier; Native is the reference point (1.0).
+(e) Long generation (--tasks longgen): a 512-token essay prompt, then the next 2,048 essay
+    tokens decoded one step at a time, teacher-forced (each step emits the text's token, not a
+    sampled one), so eviction runs exactly as while generating: perplexity and KL from Native per
+    policy x budget (256 / 512 / 1,024) x scope (all, generated) x interval (1, 64), with the
+    random policies run --draws times (their run-to-run spread); and a passkey in the prompt,
+    filler decoded past the budget, then the question (scope generated keeps the prompt).
 
 Every variant runs as one request of one batched engine (vToken reclamation, --kv-min-tokens 0),
 with its settings per request (KVEvictionParams); Native is `policy="none"` in the same engine.
@@ -26,6 +32,7 @@ combination that keeps quality.
 
     python benchmarks/benchmark_accuracy.py --quick      # < 10 min on 2 cores
     python benchmarks/benchmark_accuracy.py              # the README figures
+    python benchmarks/benchmark_accuracy.py --tasks longgen     # (e), ~1 h on 2 cores
     python benchmarks/benchmark_accuracy.py --tasks ppl passkey --policies tova \
         --budgets 512 1024 --kv-cache-dtypes float32 fp8_e4m3 fp8_e5m2
 """
@@ -260,6 +267,181 @@ def run_chat(model, args, tok, policies: Sequence[str]) -> List[Dict]:
     return rows
 
 
+# ---- (e) long generation: teacher-forced decode under each scope and interval ---------------
+@dataclass(frozen=True)
+class GenVariant:
+    policy: str
+    budget: int = 0                 # fixed budget (tokens of the scope); none: 0
+    scope: str = "all"
+    interval: int = 1
+    draw: int = 0                   # random policies: which of the --draws request-id salts
+
+    @property
+    def rid(self) -> str:
+        return f"{self.policy}|{self.budget}|{self.scope}|{self.interval}|{self.draw}"
+
+    def eviction(self) -> KVEvictionParams:
+        if self.policy == "none":
+            return KVEvictionParams(policy="none")
+        return KVEvictionParams(policy=self.policy, budget_tokens=self.budget, min_tokens=0,
+                                scope=self.scope, interval=self.interval)
+
+
+RANDOM_POLICIES = ("random", "value-random")     # their run-to-run spread comes from --draws
+
+
+def gen_variants(policies, budgets, scopes, intervals, draws: int) -> List[GenVariant]:
+    """Native, then every policy x budget x scope x interval (snapkv: scope all only; random
+    policies once per draw)."""
+    out = [GenVariant("none")]
+    for p in policies:
+        if p == "none":
+            continue
+        for b in budgets:
+            for sc in scopes:
+                if p == "snapkv" and sc == "generated":
+                    continue
+                for iv in intervals:
+                    out += [GenVariant(p, b, sc, iv, d)
+                            for d in range(draws if p in RANDOM_POLICIES else 1)]
+    return out
+
+
+class TeacherForcedDecodeEngine(LLMEngine):
+    """Decode steps that emit given tokens instead of sampled ones: request rid emits
+    forced[rid][i] as its i-th output token (then samples, greedy), and the first scored[rid] of
+    them add their NLL under the request's own distribution, and KL(reference || request) where
+    Native's log-probs are given (a first pass records them). Every other part of a step (the
+    policy, its statistics, interval, scope, reclamation) is the engine's own."""
+    forced: Dict[str, List[int]]
+    scored: Dict[str, int]
+    scores: Dict[str, Score]
+    record: Optional[torch.Tensor] = None       # [scored, vocab], filled by the Native pass
+    reference: Optional[torch.Tensor] = None
+
+    @torch.inference_mode()
+    def _sample(self, rows, logits):
+        out = super()._sample(rows, logits)
+        for i, r in enumerate(rows):
+            rid, step = r.seq.request_id, r.seq.num_output_tokens
+            forced = self.forced.get(rid, ())
+            if step >= len(forced):
+                continue
+            out.token_ids[i] = forced[step]
+            if step < self.scored[rid]:
+                logp = torch.log_softmax(logits[i].float(), dim=-1)
+                s = self.scores.setdefault(rid, Score())
+                s.nll -= float(logp[forced[step]])
+                s.tokens += 1
+                if self.record is not None:
+                    self.record[step] = logp
+                if self.reference is not None:
+                    ref = self.reference[step]
+                    s.kl += float((ref.exp() * (ref - logp)).sum())
+        return out
+
+
+def run_long_generation(model, args, prompt: List[int], continuation: List[int],
+                        todo: List[GenVariant], tail: Sequence[int] = (),
+                        answer: int = 0) -> Tuple[List[Dict], Dict[str, str]]:
+    """Every variant decodes `continuation` (scored) then `tail` (not scored) after `prompt`,
+    then `answer` free greedy tokens. -> (rows, answer text per request id)."""
+    forced = list(continuation) + list(tail)
+    params = SamplingParams(max_tokens=len(forced) + answer, temperature=0, ignore_eos=True)
+    eng = make_engine(model, args, len(todo), len(prompt) + len(forced) + answer + 8,
+                      TeacherForcedDecodeEngine, kv_dtype=args.longgen_kv_dtype)
+    eng.forced = {v.rid: forced for v in todo}
+    eng.scored = {v.rid: len(continuation) for v in todo}
+    eng.scores = {}
+    eng.record = torch.empty(len(continuation), eng.hf_config.vocab_size)
+    outs = drain(eng, [(todo[0].rid, prompt, params, todo[0].eviction())])     # Native first
+    eng.reference, eng.record = eng.record, None
+    outs.update(drain(eng, [(v.rid, prompt, params, v.eviction()) for v in todo[1:]]))
+    native_blocks = outs[todo[0].rid].kv_stats["mean_blocks_per_token"]
+    rows = []
+    for v in todo:
+        s, st = eng.scores.get(v.rid, Score()), outs[v.rid].kv_stats
+        rows.append({"policy": v.policy, "budget": v.budget, "scope": v.scope,
+                     "interval": v.interval, "draw": v.draw,
+                     "ppl": float(np.exp(s.nll / s.tokens)) if s.tokens else float("nan"),
+                     "kl": s.kl / s.tokens if s.tokens else float("nan"),
+                     "kv_x": st["mean_blocks_per_token"] / native_blocks,
+                     "evicted": st.get("evicted_tokens", 0)})
+    texts = {v.rid: eng.tokenizer.decode(outs[v.rid].outputs[0].token_ids[len(forced):])
+             for v in todo}
+    del eng
+    return rows, texts
+
+
+def longgen_task(model, args, tok, data) -> List[Dict]:
+    """(e) A `--longgen-prompt`-token essay prompt, the next `--longgen-tokens` essay tokens
+    decoded teacher-forced and scored, per policy x budget x scope x interval, `--texts`
+    windows; random policies `--draws` times (their spread). Then the passkey in the prompt:
+    filler is decoded past the budget, the question is decoded, the answer is generated."""
+    t0 = time.perf_counter()
+    todo = gen_variants(args.policies, args.longgen_budgets, args.longgen_scopes,
+                        args.longgen_intervals, args.draws)
+    total = args.longgen_prompt + args.longgen_tokens
+    per_text = []
+    for i, ids in enumerate(essay_windows(tok, args.longgen_texts, total, args.seed + 1)):
+        rows, _ = run_long_generation(model, args, ids[:args.longgen_prompt],
+                                      ids[args.longgen_prompt:], todo)
+        per_text += [dict(r, text=i) for r in rows]
+    native = {r["text"]: r["ppl"] for r in per_text if r["policy"] == "none"}
+    merged = []                # per variant, random policies over draws: mean and spread
+    for cell in dict.fromkeys((r["policy"], r["budget"], r["scope"], r["interval"])
+                              for r in per_text):
+        rs = [r for r in per_text if (r["policy"], r["budget"], r["scope"], r["interval"])
+              == cell]
+        change = [100 * (r["ppl"] / native[r["text"]] - 1) for r in rs]
+        merged.append({"policy": cell[0], "budget": cell[1], "scope": cell[2],
+                       "interval": cell[3], "kv_x": float(np.mean([r["kv_x"] for r in rs])),
+                       "ppl": float(np.exp(np.mean([np.log(r["ppl"]) for r in rs]))),
+                       "ppl_change_%": float(np.mean(change)),
+                       "spread_%": float(max(change) - min(change)),
+                       "kl": float(np.mean([r["kl"] for r in rs])), "runs": len(rs)})
+    common.table(merged, ["policy", "budget", "scope", "interval", "kv_x", "ppl", "ppl_change_%",
+                          "spread_%", "kl", "runs"],
+                 f"(e) long generation: {args.longgen_prompt}-token prompt, the next "
+                 f"{args.longgen_tokens} essay tokens decoded teacher-forced, "
+                 f"{args.longgen_texts} text(s), random policies x{args.draws} draws "
+                 f"(spread: max - min of the runs' perplexity change); KV "
+                 f"{args.longgen_kv_dtype} ({time.perf_counter() - t0:.0f} s)")
+    data.update(longgen=merged, longgen_per_text=per_text,
+                longgen_setup={k: getattr(args, k) for k in (
+                    "longgen_prompt", "longgen_tokens", "longgen_budgets", "longgen_scopes",
+                    "longgen_intervals", "longgen_texts", "draws", "longgen_kv_dtype")})
+    return merged
+
+
+def passkey_in_prompt_task(model, args, tok, data) -> List[Dict]:
+    """The key in a `--longgen-prompt`-token prompt; `--passkey-filler` essay tokens decoded
+    (past every budget), then the question; accuracy over `--trials` keys per variant at the
+    smallest budget, interval 1. Scope generated keeps the prompt, so it must keep 100%."""
+    t0 = time.perf_counter()
+    rng = random.Random(args.seed + 7)
+    budget = min(args.longgen_budgets)
+    todo = gen_variants(args.policies, [budget], args.longgen_scopes, [1], 1)
+    filler = essay_windows(tok, 1, args.passkey_filler, args.seed + 2)[0][1:]
+    question = tok.encode(QUESTION, add_special_tokens=False)
+    hits = {v.rid: [] for v in todo}
+    for t in range(args.trials):
+        key = rng.randrange(10000, 100000)
+        prompt = passkey_prompt(tok, args.longgen_prompt, 0.1 + 0.8 * t / max(args.trials - 1, 1),
+                                key)[:-len(question)]
+        _, texts = run_long_generation(model, args, prompt, [], todo, filler + question, 8)
+        for rid, text in texts.items():
+            hits[rid].append(str(key) in text)
+    rows = [{"policy": v.policy, "budget": v.budget, "scope": v.scope,
+             "accuracy": float(np.mean(hits[v.rid])), "trials": args.trials} for v in todo]
+    common.table(rows, ["policy", "budget", "scope", "accuracy", "trials"],
+                 f"(e) passkey in a {args.longgen_prompt}-token prompt, then "
+                 f"{args.passkey_filler} decoded tokens and the question "
+                 f"({time.perf_counter() - t0:.0f} s)")
+    data.update(passkey_in_prompt=rows)
+    return rows
+
+
 # ---- report -------------------------------------------------------------------------------------
 def pareto(points: List[Tuple[float, float]], lower_is_better: bool) -> List[Tuple[float, float]]:
     """The points no other point beats with fewer or equal KV blocks."""
@@ -364,7 +546,20 @@ def main():
     p.add_argument("--step-tokens", type=int, default=2048, help="--max-num-batched-tokens")
     p.add_argument("--kv-gib", type=float, default=8, help="KV pool (large enough: no preemption)")
     p.add_argument("--tasks", nargs="+", default=["ppl", "passkey", "chat"],
-                   choices=["ppl", "passkey", "chat"])
+                   choices=["ppl", "passkey", "chat", "longgen"])
+    p.add_argument("--longgen-prompt", type=int, default=512, help="(e) prompt tokens")
+    p.add_argument("--longgen-tokens", type=int, default=None,
+                   help="(e) decoded, scored tokens (default 2048; --quick 768)")
+    p.add_argument("--longgen-budgets", type=int, nargs="+", default=[256, 512, 1024])
+    p.add_argument("--longgen-scopes", nargs="+", default=["all", "generated"])
+    p.add_argument("--longgen-intervals", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--longgen-texts", type=int, default=1, help="(e) essay windows")
+    p.add_argument("--longgen-kv-dtype", default="auto",
+                   help="(e) --kv-cache-dtype (auto: the model as shipped, bf16 KV)")
+    p.add_argument("--draws", type=int, default=3,
+                   help="(e) runs of each random policy (request-id salts): its spread")
+    p.add_argument("--passkey-filler", type=int, default=None,
+                   help="(e) tokens decoded between the prompt and the question")
     p.add_argument("--chats", type=int, default=None, help="short ShareGPT chats for (d)")
     p.add_argument("--kv-cache-dtypes", nargs="+", default=[REFERENCE],
                    help="(a), (b) per KV cache dtype, e.g. float32 bfloat16 fp8_e4m3 fp8_e5m2 "
@@ -413,6 +608,13 @@ def main():
     if merged or key_rows:
         common.save("accuracy" + suffix, dict(data, seconds=time.perf_counter() - t0))
         plot(data, suffix)
+    if "longgen" in args.tasks:
+        args.longgen_tokens = args.longgen_tokens or (768 if args.quick else 2048)
+        args.passkey_filler = args.passkey_filler or max(args.longgen_budgets) + 64
+        gen = {"model": label, "machine": common.machine()}
+        longgen_task(model, args, tok, gen)
+        passkey_in_prompt_task(model, args, tok, gen)
+        common.save("accuracy_longgen" + suffix, gen, longgen_plot(gen))
     if "chat" in args.tasks:
         args.chats = args.chats or (8 if args.quick else 32)
         rows = run_chat(model, args, tok, args.policies)
@@ -420,6 +622,32 @@ def main():
                      "(d) short chats, default settings (ratio 0.5, --kv-min-tokens 512), greedy "
                      "answers identical to no eviction")
         common.save("accuracy_chat" + suffix, {"model": label, "chats": rows})
+
+
+def longgen_plot(data: Dict):
+    """Perplexity change from Native against KV held, one panel per scope: each policy's points
+    by budget (solid: interval 1, dashed: the largest interval); random's draws as a band."""
+    plt = common.plt()
+    rows = [r for r in data["longgen"] if r["policy"] != "none"]
+    scopes = list(dict.fromkeys(r["scope"] for r in rows))
+    fig, axes = plt.subplots(1, len(scopes), figsize=(6 * len(scopes), 4), squeeze=False)
+    intervals = sorted({r["interval"] for r in rows})
+    for ax, scope in zip(axes[0], scopes):
+        for i, p in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+            for iv, ls in ((intervals[0], "-"), (intervals[-1], "--")):
+                pts = sorted((r["kv_x"], r["ppl_change_%"]) for r in rows
+                             if (r["policy"], r["scope"], r["interval"]) == (p, scope, iv))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, ls=ls, color=f"C{i % 10}",
+                            label=f"{p} (interval {iv})" if ls == "-" or i == 0 else None)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xlabel("KV blocks held, relative to Native (mean over computed tokens)")
+        ax.set_ylabel("perplexity change from Native, %")
+        ax.set_yscale("symlog", linthresh=3)
+        ax.set_title(f"scope {scope}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    return fig
 
 
 def plot(data: Dict, suffix: str) -> None:

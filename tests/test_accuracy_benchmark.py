@@ -118,3 +118,30 @@ def test_ppl_change_is_per_text_against_that_texts_native():
     native = {0: 20.0, 1: 30.0}
     rows = [{"ppl": 20.2, "text": 0}, {"ppl": 31.2, "text": 1}]
     assert bench.ppl_change(rows, native) == "+2.49 (+1.00 .. +4.00)"
+
+
+def test_long_generation_teacher_forced(tiny_llama):
+    """(e): Native's decoded perplexity equals transformers' over the continuation, KL 0; under
+    scope generated an evicting variant keeps the prompt (budget counts generated tokens) and
+    holds less KV; the interval changes when, not whether, it evicts."""
+    import transformers
+    text = random_prompts(1, seed=92, lo=120, hi=121)[0]
+    prompt, cont = text[:40], text[40:]
+    args = SimpleNamespace(step_tokens=256, seed=0, kv_gib=0.01, longgen_kv_dtype="float32")
+    todo = bench.gen_variants(["h2o", "random"], [16], ["all", "generated"], [1, 8], 2)
+    assert len(todo) == 1 + 2 * 2 + 2 * 2 * 2          # random twice per cell
+    rows, _ = bench.run_long_generation(tiny_llama, args, prompt, cont, todo)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([text])).logits[0].float(), -1)
+    pos = torch.arange(len(prompt) - 1, len(text) - 1)
+    nll = -logp[pos, torch.tensor(cont)].mean()
+    native = rows[0]
+    assert native["policy"] == "none" and native["kl"] == 0.0 and native["kv_x"] == 1.0
+    assert np.isclose(native["ppl"], float(nll.exp()), rtol=1e-4)
+    by = {(r["policy"], r["scope"], r["interval"], r["draw"]): r for r in rows[1:]}
+    for r in rows[1:]:
+        assert r["evicted"] > 0 and r["kl"] > 0 and r["kv_x"] < 1.0, r
+    # scope generated holds the 40-token prompt besides the budget: more KV than scope all
+    assert by["h2o", "generated", 1, 0]["kv_x"] > by["h2o", "all", 1, 0]["kv_x"]
+    assert by["random", "all", 1, 0]["kl"] != by["random", "all", 1, 1]["kl"]     # two draws
