@@ -10,12 +10,17 @@
   force-sync        --kv-reclaim-force-sync vs the default; on CPU the copy is synchronous
                     either way, so the two should match (the GPU path is where they differ).
 
+--intervals N ...: instead, Native against H2O with vToken at a fixed budget of half the prompt
+under scope generated (a request holds its prompt plus that many generated tokens) and
+--kv-evict-interval N for each N: how much of Native's tok/s batching the evictions buys back.
+
 All variants run in one process, one engine each, stepped in turn (A B C, B C A, C A B, ...) over the
 same requests, so load drift on a shared host hits every variant alike; a second Native engine
 is the control (its ratio to Native is the noise floor); `hook_share_%` (time
 inside the vToken hooks / the engine's own step time) does not depend on the load at all.
 
     python benchmarks/benchmark_overhead.py --quick
+    python benchmarks/benchmark_overhead.py --intervals 1 16 64 128 --concurrency 16
 """
 import time
 
@@ -113,9 +118,22 @@ def interleaved(model, variants, work, args):
     return out
 
 
+def interval_variants(intervals, budget: int, scope: str = "generated") -> dict:
+    """Native, its control, and H2O + vToken at `budget` per eviction interval."""
+    out = {"Native": VARIANTS["Native"]}
+    for n in intervals:
+        out[f"H2O interval {n}"] = dict(kv_eviction_policy="h2o", kv_reclamation="vtoken",
+                                        kv_budget_tokens=budget, kv_evict_scope=scope,
+                                        kv_evict_interval=n)
+    out["Native (control)"] = VARIANTS["Native (control)"]
+    return out
+
+
 def main():
     p = common.base_parser(__doc__)
     p.add_argument("--concurrency", type=int, nargs="+", default=None)
+    p.add_argument("--intervals", type=int, nargs="+", default=None,
+                   help="compare --kv-evict-interval values instead (H2O, scope generated)")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs, building the engines in forward then reverse order (on this "
                         "host an engine built earlier steps slower; alternating cancels that)")
@@ -125,21 +143,35 @@ def main():
     tok = common.tokenizer_for(model)
     conc = args.concurrency or ([8] if args.quick else [8, 16])
     plen, olen = (256, 64) if args.quick else (512, 128)
+    if args.intervals:
+        olen = 256 if args.quick else 512          # generated tokens past the budget, many times
+    variants = interval_variants(args.intervals, plen // 2) if args.intervals else VARIANTS
     rows = []
     for c in conc:
         work = common.workload("longbench", c, tok, plen, olen, args, fixed_output=True)
         runs = []
         for rep in range(args.repeats):     # build order forward, then reversed, ...
-            names = list(VARIANTS) if rep % 2 == 0 else list(VARIANTS)[::-1]
-            runs.append(interleaved(model, {n: VARIANTS[n] for n in names}, work, args))
+            names = list(variants) if rep % 2 == 0 else list(variants)[::-1]
+            runs.append(interleaved(model, {n: variants[n] for n in names}, work, args))
         res = {name: {k: float(np.mean([r[name][k] for r in runs])) for k in runs[0][name]}
-               for name in VARIANTS}
-        native = res["Native"]["step_ms_median"]
+               for name in variants}
+        native = res["Native"]
         for name, r in res.items():
             rows.append({"C": c, "variant": name, **r,
-                         "step_vs_native": r["step_ms_median"] / native})
+                         "step_vs_native": r["step_ms_median"] / native["step_ms_median"],
+                         "tok_s_vs_native": r["tok_s"] / native["tok_s"]})
     title = (f"Step time and vToken hook cost, LongBench-style {plen}-token prompts + {olen} "
              f"tokens; {label}; {common.machine()}")
+    if args.intervals:
+        title = (f"tok/s against --kv-evict-interval: H2O + vToken, scope generated, budget "
+                 f"{plen // 2} generated tokens; {plen}-token prompts + {olen} tokens; {label}; "
+                 f"{common.machine()}")
+        text = common.table(rows, ["C", "variant", "tok_s", "tok_s_vs_native", "step_ms_median",
+                                   "hook_ms_per_step", "relocation_events"], title)
+        common.save("benchmark_overhead_interval", {"args": vars(args), "model": label,
+                                                    "rows": rows, "table": text},
+                    interval_plot(rows, conc))
+        return
     text = common.table(rows, ["C", "variant", "tok_s", "step_ms_median", "step_ms_p95",
                                "step_vs_native", "hook_ms_per_step", "hook_share_%"], title)
     reloc = [r for r in rows if r["relocation_events"]]
@@ -173,6 +205,23 @@ def main():
     ax.legend(fontsize=7)
     common.save("benchmark_overhead", {"args": vars(args), "model": label, "rows": rows,
                                        "table": text}, fig)
+
+
+def interval_plot(rows, conc):
+    fig, ax = common.plt().subplots(figsize=(6, 3.4))
+    for c in conc:
+        sub = [r for r in rows if r["C"] == c and r["variant"].startswith("H2O interval")]
+        ax.plot([int(r["variant"].split()[-1]) for r in sub],
+                [r["tok_s_vs_native"] for r in sub], "o-", label=f"C={c}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(0.95, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("--kv-evict-interval N")
+    ax.set_ylabel("tok/s / Native")
+    ax.legend(fontsize=7)
+    ax.set_title("H2O + vToken, scope generated: tok/s against the eviction interval",
+                 fontsize=9)
+    return fig
 
 
 if __name__ == "__main__":
