@@ -271,3 +271,12 @@ def test_server_scope_generated_and_interval_in_the_body(floored_server):
         "kv_evict_scope": "generated"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_evict_scope"
     wait_until_clean(engine)
+
+
+def test_scope_generated_with_a_prefill_chunk_runs_the_policy_after_the_prompt(tiny_llama):
+    """--kv-prefill-chunk streams a prompt only where it may evict: under scope generated the
+    prompt is computed as without a policy and the policy first runs on generated tokens."""
+    _, seqs, _ = _run(tiny_llama, PROMPTS, kv_eviction_policy="tova", kv_budget_tokens=6,
+                      kv_evict_scope="generated", kv_prefill_chunk=8)
+    for s in seqs:
+        assert s.eviction_log and np.concatenate(s.eviction_log).min() >= s.num_prompt_tokens

@@ -131,7 +131,7 @@ class EvictionDriver:
         if seq.num_preemptions:
             return start + num_new
         chunk = self.config_of(seq).prefill_chunk
-        if chunk is None:
+        if chunk is None or self.prompt_only(seq):
             return seq.prefill_end
         return min((start // chunk + 1) * chunk, seq.prefill_end)
 
