@@ -49,6 +49,7 @@ from vllm.entrypoints.openai.server_options import ServerOptions
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.tool_parsers import tool_parser_names
 from vllm.model_executor.gguf_loader import DEFAULT_MODEL_NAME
+from vllm.reasoning import reasoning_parser_names
 
 logger = logging.getLogger("vllm.entrypoints.openai.api_server")
 
@@ -141,16 +142,18 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
               api_key: Optional[str] = None, chat_template: Optional[str] = None,
               shutdown_engine: bool = True, enable_auto_tool_choice: bool = False,
               tool_call_parser: Optional[str] = None,
-              options: Optional[ServerOptions] = None) -> FastAPI:
+              options: Optional[ServerOptions] = None,
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     """The server's app. Its lifespan starts the engine loop (and stops it on exit when
     shutdown_engine is true). tool_choice "auto" needs enable_auto_tool_choice and a
-    tool_call_parser name (tool_parsers/: "hermes")."""
+    tool_call_parser name (tool_parsers/: "hermes"). reasoning_parser (vllm/reasoning/:
+    "deepseek_r1", "qwen3"): chat replies carry the reasoning as reasoning_content."""
     names = list(served_model_names or [os.path.basename(str(engine.engine.model_config.model))])
     tokenizer = AutoTokenizer.from_pretrained(engine.engine.model_config.tokenizer)
     completion = OpenAIServingCompletion(engine, tokenizer, names)
     chat = OpenAIServingChat(engine, tokenizer, names, _load_template(chat_template),
                              enable_auto_tools=enable_auto_tool_choice,
-                             tool_parser=tool_call_parser)
+                             tool_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     options = options or ServerOptions()
     completion.options = chat.options = options
     metrics = ServerMetrics(engine, names[0])
@@ -337,6 +340,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"how tool calls are written in the output: {', '.join(tool_parser_names())} "
              "(hermes: <tool_call>{...}</tool_call>, as examples/tool_chat_template_hermes.jinja "
              "asks for)")
+    add("--reasoning-parser", type=str, default=None, choices=reasoning_parser_names(),
+        help="split a reasoning model's chat output into reasoning_content (the <think> ... "
+             "</think> part) and content: deepseek_r1 (the output may omit <think>; without "
+             "</think> it is all reasoning), qwen3 (reasoning only after a leading <think>)")
     add("--uvicorn-log-level", type=str, default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add("--uds", type=str, default=None,
@@ -379,7 +386,8 @@ def run_server(args: argparse.Namespace) -> None:
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     app = build_app(engine, served_names(args), args.api_key, args.chat_template,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    tool_call_parser=args.tool_call_parser, options=options)
+                    tool_call_parser=args.tool_call_parser, options=options,
+                    reasoning_parser=args.reasoning_parser)
     if args.uds:
         logger.info("OpenAI-compatible API on unix socket %s (model %s)", args.uds,
                     served_names(args)[0])

@@ -274,6 +274,7 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool = False
     add_special_tokens: bool = False
     chat_template: Optional[str] = None
+    include_reasoning: bool = True     # false: no reasoning_content (--reasoning-parser)
 
     @model_validator(mode="before")
     @classmethod
@@ -347,12 +348,17 @@ class AssistantMessage(ResponseModel):
     role: str = "assistant"
     content: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None
+    # with --reasoning-parser only: the reasoning (null when there is none); without the flag
+    # the key is absent
+    reasoning_content: Optional[str] = None
 
     @model_serializer(mode="wrap")
-    def _drop_empty_tool_calls(self, handler):
+    def _drop_absent_fields(self, handler):
         data = handler(self)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
+        if "reasoning_content" not in self.model_fields_set:
+            data.pop("reasoning_content", None)
         return data
 
 
@@ -390,6 +396,7 @@ class DeltaToolCall(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None     # --reasoning-parser; sent only when non-empty
     tool_calls: Optional[List[DeltaToolCall]] = None
 
 

@@ -5,9 +5,13 @@ model's template ignores them; examples/tool_chat_template_hermes.jinja renders 
 tool calls and results, in the Hermes form that `--tool-call-parser hermes` reads back:
     vllm serve --chat-template examples/tool_chat_template_hermes.jinja \
         --enable-auto-tool-choice --tool-call-parser hermes
+
+Reasoning (`--reasoning-parser`, vllm/reasoning/): each choice's text is split into
+reasoning_content and content first; tool calls are parsed from the content only, and a
+structured-output constraint applies to the content (it starts where the reasoning ends).
 """
 import json
-from typing import AsyncIterator, Dict, List, Optional, Type
+from typing import AsyncIterator, Dict, List, Optional, Tuple, Type
 
 import jinja2
 from fastapi import Request
@@ -15,25 +19,28 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from vllm.entrypoints.openai.errors import OpenAIError
 from vllm.entrypoints.openai.output_constraint import OutputConstraint
-from vllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
+from vllm.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest,
                                               ChatCompletionResponse, ChatLogprobs,
                                               ChatLogprobToken, ChatMessage, ChatTopLogprob,
                                               UsageInfo, now_s, random_id)
 from vllm.entrypoints.openai.serving_engine import (OpenAIServing, TextDelta, finite_logprob,
                                                     prompt_logprobs_json, sse, usage_chunk,
                                                     usage_flags)
-from vllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from vllm.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser, get_tool_parser
 from vllm.entrypoints.openai.tool_use import ToolUse
 from vllm.outputs import CompletionOutput
+from vllm.reasoning import ReasoningParser, get_reasoning_parser
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine, tokenizer, served_model_names: List[str],
                  chat_template: Optional[str] = None, enable_auto_tools: bool = False,
-                 tool_parser: Optional[str] = None):
+                 tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None):
         super().__init__(engine, tokenizer, served_model_names)
         self.chat_template = chat_template
         self.auto_parser = auto_tool_parser(enable_auto_tools, tool_parser)
+        self.reasoning: Optional[ReasoningParser] = \
+            get_reasoning_parser(reasoning_parser)(tokenizer) if reasoning_parser else None
 
     # ---- prompt ----------------------------------------------------------------------------
     def render(self, messages: List[ChatMessage], add_generation_prompt: bool,
@@ -88,6 +95,7 @@ class OpenAIServingChat(OpenAIServing):
                                          req.max_completion_tokens or req.max_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         await self.check_constraint(constraint)
+        constraint = await self._after_reasoning(constraint)
         params = self.sampling_params(req, max_tokens, logprobs, constraint,
                                       prompt_logprobs=req.prompt_logprobs)
         kv = self.kv_eviction(req)
@@ -100,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         role, echo = self._role(req), self._echo(req)
         for c in final.outputs:
-            message, finish_reason = tool_use.message(c.text, c.finish_reason)
+            message, finish_reason = self._choice_message(req, tool_use, c)
             message.role = role
             if echo:
                 message.content = echo + (message.content or "")
@@ -116,6 +124,30 @@ class OpenAIServingChat(OpenAIServing):
         resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
                                       prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs))
         return JSONResponse(resp.model_dump())
+
+    def _choice_message(self, req: ChatCompletionRequest, tool_use: ToolUse,
+                        c: CompletionOutput) -> Tuple[AssistantMessage, Optional[str]]:
+        """A whole choice: (message, finish_reason). With a reasoning parser the reasoning is
+        split off first and the rest is the content (tool calls are parsed from it)."""
+        if self.reasoning is None:
+            return tool_use.message(c.text, c.finish_reason)
+        reasoning, content = self.reasoning.extract_reasoning_content(c.text, req)
+        message, finish_reason = tool_use.message(content or "", c.finish_reason)
+        message.content = message.content or None
+        message.reasoning_content = reasoning if req.include_reasoning else None
+        return message, finish_reason
+
+    async def _after_reasoning(self, constraint: Optional[OutputConstraint]
+                               ) -> Optional[OutputConstraint]:
+        """With a reasoning parser a constraint holds for the content only: the reasoning
+        before it is free text (grammar_after_reasoning). The client's own spec is checked
+        before, so that its 400 is the one it would get without reasoning."""
+        if constraint is None or self.reasoning is None:
+            return constraint
+        wrapped = OutputConstraint(self.reasoning.content_constraint(constraint.params),
+                                   constraint.field)
+        await self.check_constraint(wrapped)
+        return wrapped
 
     @staticmethod
     def _role(req: ChatCompletionRequest) -> str:
@@ -158,6 +190,7 @@ class OpenAIServingChat(OpenAIServing):
                       tool_use: ToolUse) -> AsyncIterator[str]:
         deltas = [TextDelta(params.stop) for _ in range(req.n)]
         tool_streams = [tool_use.stream() for _ in range(req.n)]
+        texts = [""] * req.n               # each choice's text so far (the reasoning parser's)
         finished = [False] * req.n         # a finished choice is never sent again
         include_usage, continuous = usage_flags(req.stream_options)
         as_ids = self.tokens_as_ids(req)
@@ -174,12 +207,11 @@ class OpenAIServingChat(OpenAIServing):
                     text, start, end = deltas[c.index].advance(c)
                     if not text and start == end and c.finish_reason is None:
                         continue
-                    delta = {"content": text}
+                    final = c.finish_reason is not None
                     ts = tool_streams[c.index]
-                    if ts is not None:     # content and tool_calls deltas instead of raw text
-                        delta = tool_use.delta(ts, text, c.finish_reason is not None)
-                        if not delta and c.finish_reason is None and not req.logprobs:
-                            continue
+                    delta = self._delta(req, tool_use, ts, texts, c.index, text, final)
+                    if not delta and not final and not req.logprobs:
+                        continue
                     lp = self._logprobs(c, start, end, req.top_logprobs, as_ids) \
                         if req.logprobs else None
                     chunk = self._chunk(request_id, model, c.index, delta, lp, c)
@@ -201,6 +233,27 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await gen.aclose()
         yield sse("[DONE]")
+
+    def _delta(self, req: ChatCompletionRequest, tool_use: ToolUse,
+               ts: Optional[ToolCallStream], texts: List[str], index: int, text: str,
+               final: bool) -> Dict:
+        """A choice's next delta ({} when there is nothing to send yet): its new text as
+        content; with a reasoning parser, reasoning_content and the content after it; with a
+        tool stream, that content's content and tool_calls deltas."""
+        delta, content = {}, text
+        if self.reasoning is not None:
+            previous = texts[index]
+            texts[index] += text
+            found = self.reasoning.extract_reasoning_content_streaming(
+                previous, texts[index], text, final=final)
+            content = (found.content if found is not None else None) or ""
+            if found is not None and found.reasoning_content and req.include_reasoning:
+                delta["reasoning_content"] = found.reasoning_content
+        if ts is not None:
+            delta.update(tool_use.delta(ts, content, final))
+        elif content or self.reasoning is None:
+            delta["content"] = content
+        return delta
 
     def _opening_chunks(self, req: ChatCompletionRequest, request_id: str, model: str,
                         continuous: bool, n_in: int) -> List[Dict]:
