@@ -30,26 +30,26 @@ THINK, END = "<think>", "</think>"
 
 # ---- parsers, no server -------------------------------------------------------------------------
 R1_CASES = [   # output -> (reasoning_content, content)
-    ("<think>I add.</think>\n\nIt is 4.", ("I add.", "It is 4.")),
-    ("I add.</think>\n\nIt is 4.", ("I add.", "It is 4.")),       # <think> was in the prompt
+    ("<think>I add.</think>\n\nIt is 4.", ("I add.", "\n\nIt is 4.")),   # the content as is
+    ("I add.</think>\n\nIt is 4.", ("I add.", "\n\nIt is 4.")),   # <think> was in the prompt
     ("I add and add", ("I add and add", None)),                     # no </think>: all reasoning
     ("<think>I add", ("I add", None)),
     ("</think>It is 4.", (None, "It is 4.")),
     ("a</thi<</think>b</think>\n", ("a</thi<", "b</think>\n")),     # only the first tag counts
     ("x<think>y</think>z", ("x<think>y", "z")),                    # only a leading <think> goes
-    ("I add.</think>\n\n", ("I add.", None)),
+    ("I add.</think>", ("I add.", None)),
     ("<th", ("<th", None)),
     ("", (None, None)),
 ]
 QWEN3_CASES = [
-    ("<think>I add.</think>\n\nIt is 4.", ("I add.", "It is 4.")),
+    ("<think>I add.</think>\n\nIt is 4.", ("I add.", "\n\nIt is 4.")),
     ("It is 4.", (None, "It is 4.")),                                # thinking disabled
     ("I add.</think>It is 4.", (None, "I add.</think>It is 4.")),  # no leading <think>
     ("<think>I add", ("I add", None)),                              # cut inside its reasoning
-    ("<think></think>\n\nIt is 4.", (None, "It is 4.")),
+    ("<think></think>It is 4.", (None, "It is 4.")),
     ("\n<think>a</think>b", (None, "\n<think>a</think>b")),
     ("<thin", (None, "<thin")),
-    ("<think>a</thi<</think>\n\n\nb\n", ("a</thi<", "b\n")),
+    ("<think>a</thi<</think>\n\n\nb\n", ("a</thi<", "\n\n\nb\n")),
     ("", (None, None)),
 ]
 PARSERS = {"deepseek_r1": (DeepSeekR1ReasoningParser, R1_CASES),
@@ -109,7 +109,7 @@ def test_stream_holds_back_a_partial_tag():
         == "ab"
     assert r1.extract_reasoning_content_streaming("ab</th", "ab</thin", "in") is None
     end = r1.extract_reasoning_content_streaming("ab</thin", "ab</think>\n\nc", "k>\n\nc")
-    assert (end.reasoning_content, end.content) == (None, "c")
+    assert (end.reasoning_content, end.content) == (None, "\n\nc")
     cut = r1.extract_reasoning_content_streaming("ab</th", "ab</th", "", final=True)
     assert cut.reasoning_content == "</th"             # the last delta sends what was held
     qwen3 = Qwen3ReasoningParser()
@@ -265,14 +265,14 @@ def _split_r1(raw):
     """deepseek_r1 by hand: up to the first </think> (a leading <think> dropped)."""
     text = raw[len(THINK):] if raw.startswith(THINK) else raw
     reasoning, tag, content = text.partition(END)
-    return reasoning or None, (content.lstrip("\n") or None) if tag else None
+    return reasoning or None, (content or None) if tag else None
 
 
 def _split_qwen3(raw):
     if not raw.startswith(THINK):
         return None, raw or None
     reasoning, tag, content = raw[len(THINK):].partition(END)
-    return reasoning or None, (content.lstrip("\n") or None) if tag else None
+    return reasoning or None, (content or None) if tag else None
 
 
 # (logit_bias on the tags, seed): outputs with and without either tag, and tags in the content

@@ -363,7 +363,7 @@ def test_cli_flags_on_a_unix_socket(tiny_llama, tmp_path):
         out = http.post("/api/v1/completions", json={
             "model": "tiny", "prompt": "w5 w6", "max_tokens": 2, "logprobs": 0}).json()
         assert all(t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"])
-        assert set(out["usage"]["kv"]) == {"evicted_tokens", "live_tokens", "peak_blocks"}
+        assert set(out["usage"]["kv"]) == {"evicted_tokens", "live_tokens", "peak_blocks", "budget_tokens"}
     finally:
         http.close()
         code = interrupt(proc)
@@ -406,7 +406,7 @@ def test_kv_usage_is_opt_in(server, flagged):
     url = server.url + "/v1/completions"
     assert set(post(url, body).json()["usage"]) == UPSTREAM_USAGE_KEYS    # upstream's shape
     asked = post(url, {**body, "kv_usage": True}).json()["usage"]
-    assert set(asked["kv"]) == {"evicted_tokens", "live_tokens", "peak_blocks"}
+    assert set(asked["kv"]) == {"evicted_tokens", "live_tokens", "peak_blocks", "budget_tokens"}
     assert asked["kv"]["live_tokens"] > 0
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     assert "kv" not in sse_events(post(url, stream).text)[-1]["usage"]

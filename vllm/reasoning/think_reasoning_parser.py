@@ -8,8 +8,8 @@ from vllm.sampling_params import StructuredOutputsParams
 
 class ThinkReasoningParser(ReasoningParser):
     """The reasoning runs from a leading start tag (dropped) to the first end tag; the content
-    is the text after the end tag, its leading newlines dropped. implicit_start: the output is
-    reasoning from its first character even without the start tag (the chat template put the
+    is the text after the end tag, as is (newlines too, as upstream). implicit_start: the output
+    is reasoning from its first character even without the start tag (the chat template put the
     tag in the prompt), so an output without the end tag is all reasoning. Without it, an
     output that does not begin with the start tag is all content."""
     start_token = "<think>"
@@ -30,7 +30,7 @@ class ThinkReasoningParser(ReasoningParser):
         if end < 0:
             keep = len(text) if final else len(text) - _tag_prefix_len(text, self.end_token)
             return text[:keep], ""
-        return text[:end], text[end + len(self.end_token):].lstrip("\n")
+        return text[:end], text[end + len(self.end_token):]      # as is, as upstream
 
     def content_constraint(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
         start = "" if self.implicit_start else _literal(self.start_token)
