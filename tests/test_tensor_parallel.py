@@ -70,7 +70,7 @@ def test_tp2_greedy_tokens_equal_tp1(tiny_models, arch):
 
 
 @pytest.mark.parametrize("mode", ["none", "vtoken", "vtoken-fill"])
-@pytest.mark.parametrize("policy", ["h2o", "snapkv", "keydiff"])
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "keydiff", "rkv", "value-random"])
 def test_tp2_eviction_and_relocation_equal_tp1(tiny_llama, policy, mode):
     """A 26-block pool of 4-token blocks: requests preempt one another; the ranks' statistics
     are summed before the policy sees them, so it evicts the tokens TP=1 evicts."""

@@ -8,7 +8,7 @@ from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 
 POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv",
-            "knorm", "keydiff"]
+            "knorm", "keydiff", "rkv", "value-random"]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 

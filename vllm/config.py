@@ -10,7 +10,7 @@ import torch
 from vllm.attention.kv_quant import KV_CACHE_DTYPES
 
 EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-window",
-                     "random", "tova", "snapkv", "knorm", "keydiff")
+                     "random", "tova", "snapkv", "knorm", "keydiff", "rkv", "value-random")
 EVICTION_SCOPES = ("all", "generated")   # which tokens a policy may evict and a budget counts
 DEFAULT_MIN_TOKENS = 512   # the floor under ratio budgets when no --kv-min-tokens is named
 RECLAMATION_MODES = ("vtoken", "vtoken-fill", "none")

@@ -209,16 +209,21 @@ class ModelRunner:
         return rows
 
     def _key_statistic(self, view_slots: np.ndarray, kind: str) -> np.ndarray:
-        """Per view token, mean over layers and KV heads: "norm" ||k||, or "similarity"
-        cos(k, anchor) with the anchor the mean of the view's unit keys (KeyDiff)."""
+        """Per view token, mean over layers and KV heads: "norm" ||k||, "similarity" cos(k, anchor)
+        with the anchor the mean of the view's unit keys (KeyDiff), or "value_norm" ||v||. A model
+        with synthetic statistics (--load-format simulate) gives its own."""
         slots = to_device(view_slots.astype(np.int64, copy=False), self.device)
-        keys = self.kv_caches[:, slots, 0].float()                   # [layers, n, KVH, D]
-        if kv_quant.is_fp8(self.kv_caches):     # dequantized: each layer's K scale
-            keys *= kv_quant.scales_of(self.kv_caches)[:, 0].to(keys.device).view(-1, 1, 1, 1)
-        norms = keys.norm(dim=-1, keepdim=True)                      # [layers, n, KVH, 1]
-        if kind == "norm":
+        synthetic = getattr(self.model, "synthetic_key_statistic", None)
+        if synthetic is not None:
+            return synthetic(self.kv_caches, slots, kind)
+        kv = 1 if kind == "value_norm" else 0                        # V or K
+        x = self.kv_caches[:, slots, kv].float()                     # [layers, n, KVH, D]
+        if kv_quant.is_fp8(self.kv_caches):     # dequantized: each layer's K (or V) scale
+            x *= kv_quant.scales_of(self.kv_caches)[:, kv].to(x.device).view(-1, 1, 1, 1)
+        norms = x.norm(dim=-1, keepdim=True)                         # [layers, n, KVH, 1]
+        if kind != "similarity":
             return norms.mean(dim=(0, 2)).flatten().cpu().numpy()
-        unit = keys / norms.clamp_min(1e-12)
+        unit = x / norms.clamp_min(1e-12)
         anchor = unit.mean(dim=1, keepdim=True)
         anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         return (unit * anchor).sum(dim=-1).mean(dim=(0, 2)).cpu().numpy()

@@ -27,7 +27,7 @@ from typing import List, Optional
 
 import numpy as np
 
-KEY_STATISTICS = ("norm", "similarity")   # key_statistic codes 1 and 2; 0 = none
+KEY_STATISTICS = ("norm", "similarity", "value_norm")   # key_statistic codes 1-3; 0 = none
 NO_COLUMN_SUMS = -1                       # colsum_from of a prompt chunk that collects none
 
 

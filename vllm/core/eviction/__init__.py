@@ -7,10 +7,12 @@ from vllm.core.eviction.h2o import H2OPolicy
 from vllm.core.eviction.keydiff import KeyDiffPolicy
 from vllm.core.eviction.knorm import KNormPolicy
 from vllm.core.eviction.random_policy import RandomPolicy
+from vllm.core.eviction.rkv import RKVPolicy
 from vllm.core.eviction.scissorhands import ScissorhandsPolicy
 from vllm.core.eviction.snapkv import SnapKVPolicy
 from vllm.core.eviction.streaming_llm import StreamingLLMPolicy
 from vllm.core.eviction.tova import TOVAPolicy
+from vllm.core.eviction.value_random import ValueRandomPolicy
 
 POLICY_CLASSES = {
     "h2o": H2OPolicy,
@@ -22,6 +24,8 @@ POLICY_CLASSES = {
     "snapkv": SnapKVPolicy,
     "knorm": KNormPolicy,
     "keydiff": KeyDiffPolicy,
+    "rkv": RKVPolicy,
+    "value-random": ValueRandomPolicy,
 }
 
 
@@ -34,5 +38,6 @@ def make_policy(config: KVEvictionConfig, request_id: str, num_layer_heads: int,
     return POLICY_CLASSES[config.policy](config, request_id, num_layer_heads, prompt_len)
 
 
-__all__ = ["EvictionPolicy", "H2OPolicy", "KeyDiffPolicy", "KNormPolicy", "RandomPolicy", "ScissorhandsPolicy", "SnapKVPolicy",
-           "StreamingLLMPolicy", "TOVAPolicy", "POLICY_CLASSES", "make_policy", "token_budget"]
+__all__ = ["EvictionPolicy", "H2OPolicy", "KeyDiffPolicy", "KNormPolicy", "RandomPolicy",
+           "RKVPolicy", "ScissorhandsPolicy", "SnapKVPolicy", "StreamingLLMPolicy", "TOVAPolicy",
+           "ValueRandomPolicy", "POLICY_CLASSES", "make_policy", "token_budget"]

@@ -53,8 +53,9 @@ class EvictionPolicy:
     # Finer, optional hints for the engine (an engine may ignore them and always pass both):
     needs_prefill_stats: bool = True     # on_prefill reads colsum
     needs_decode_stats: bool = True      # on_decode reads attn_mass
-    # "norm" | "similarity": observe_key_statistic gets that statistic of every view token's key
-    # (mean over layers and KV heads) on steps where the request is over budget
+    # one of worker/step_input.KEY_STATISTICS ("norm", "similarity": of the key; "value_norm": of
+    # the value): observe_key_statistic gets it for every view token (mean over layers and KV
+    # heads) on steps where the request is over budget
     key_statistic: Optional[str] = None
 
     def __init__(self, config: KVEvictionConfig, request_id: str, num_layer_heads: int,

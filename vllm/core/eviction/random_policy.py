@@ -28,10 +28,14 @@ class RandomPolicy(EvictionPolicy):
         key = [self.config.seed & (2**64 - 1), zlib.crc32(self.request_id.encode()), step]
         return np.random.default_rng(key)
 
+    def eligible(self, live_ids: np.ndarray, budget: int, over: int) -> np.ndarray:
+        """Ids (ascending) the draw takes `over` of: neither sinks nor in the recent window."""
+        return live_ids[self.evictable(live_ids, self.recent_window(budget))]
+
     def _evict_random(self, live_ids: np.ndarray, seq_len: int) -> np.ndarray:
         over = self.excess(live_ids, seq_len)
         if over <= 0:
             return no_eviction()
-        eligible = live_ids[self.evictable(live_ids, self.recent_window(self.budget(seq_len)))]
+        eligible = self.eligible(live_ids, self.budget(seq_len), over)
         victims = self.rng(seq_len).choice(eligible, size=over, replace=False)
         return np.sort(victims).astype(np.int64)

@@ -16,7 +16,11 @@ Statistics follow the real backend's shapes and meaning (vllm/attention/backend.
 layer-head's probabilities over the visible keys sum to 1, so each query row sums to L*H.
   decode   p_q(j) ~ w_j * n(q, j)   (n: a seeded log-normal per (query, key) jitter)
   prefill  p_q(j) ~ w_j over keys with position <= q's; column sums in O(Lk) via prefix sums.
+Key statistics (synthetic_key_statistic, from the cache rows, so relocation carries them): "norm" w,
+"similarity" 1 (one-dimensional keys all point the same way), "value_norm" a seeded log-normal of
+the position (a few tokens with large value norms, as VaSE observes).
 """
+import numpy as np
 import torch
 
 from vllm.model_executor.layers.attention import attention_specs, scores_from
@@ -25,6 +29,7 @@ TABLE_BITS = 20
 SINK_BOOST = 30.0          # attention sinks: the first token draws a large share of attention
 IMPORTANCE_SIGMA = 1.5     # log-normal spread of key importance (heavy hitters)
 JITTER_SIGMA = 0.5         # per-query variation of decode attention
+VALUE_SIGMA = 1.0          # log-normal spread of value norms
 
 
 class SimulatedModel:
@@ -41,6 +46,7 @@ class SimulatedModel:
         self.importance = torch.empty(size).log_normal_(0.0, IMPORTANCE_SIGMA, generator=g)
         self.jitter = torch.empty(size).log_normal_(0.0, JITTER_SIGMA, generator=g)
         self.salt = int(torch.randint(0, size, (1,), generator=g))
+        self.value_norms = torch.empty(size).log_normal_(0.0, VALUE_SIGMA, generator=g)
 
     @property
     def num_layers(self) -> int:
@@ -70,6 +76,18 @@ class SimulatedModel:
         logits = torch.zeros(hidden.shape[0], self.vocab, dtype=torch.float32)
         logits[torch.arange(hidden.shape[0]), hidden[:, 0].long()] = 1.0
         return logits
+
+    def synthetic_key_statistic(self, kv_caches: torch.Tensor, slots: torch.Tensor,
+                                kind: str) -> np.ndarray:
+        """Key statistic `kind` per token in `slots`: the model runner asks this model for it
+        instead of reading a real model's K/V (see the module docstring)."""
+        rows = kv_caches[0, slots, :, 0, 0].float()                 # [n, 2]: (w, position)
+        if kind == "norm":
+            return rows[:, 0].abs().numpy()
+        if kind == "similarity":
+            return np.ones(len(rows), np.float32)
+        assert kind == "value_norm", kind
+        return self.value_norms[self._index(rows[:, 1], torch.zeros(len(rows)))].numpy()
 
     # ---- synthetic attention ----------------------------------------------------------------
     def _index(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
