@@ -9,7 +9,10 @@ three steps late), and steps. After every operation: invariants I1-I4 (the engin
 finishes within a bounded number of steps. At the end, every request that ran uninterrupted
 (never preempted, aborted or out of KV) must produce exactly the tokens and evictions of the same
 request run alone, without prefix caching: batching, chunking, the prefix cache and the
-reclamation mode never change what a request computes. Preemption may (see README).
+reclamation mode never change what a request computes. Preemption may (see README). And nothing
+evicted, nothing changed: the tokens a request produced before its first eviction (all of them
+when a floor no request reaches is drawn) are those of the same request run alone under
+--kv-eviction-policy none. Scopes (all, generated) and eviction intervals are drawn too.
 
 The same harness runs with tensor parallelism (TP=2, fewer examples, copies landing at once:
 the delayed executor is a single-process hook), each request compared with its TP=1 solo run. Examples draw the model too: the Llama, or one
@@ -26,7 +29,7 @@ from vllm import LLM, SamplingParams
 from vllm.worker.relocation import DelayedRelocationExecutor
 
 POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv",
-            "knorm", "keydiff"]
+            "knorm", "keydiff", "rkv", "value-random"]
 MODES = ["none", "vtoken", "vtoken-fill"]
 # the model each example runs: Llama, Gemma 3 (sliding and full layers, window 8), Mistral with
 # a 12-token window on every layer
@@ -36,6 +39,7 @@ EXAMPLES = 80
 TP_EXAMPLES = 6
 OPS = {"count": 0, "steps": 0, "identical": 0, "preemptions": 0, "aborts": 0,
        "cache_hit_blocks": 0, "relocations": 0, "exhausted": 0, "tp2_identical": 0,
+       "native_prefix": 0,
        "models": set()}
 
 configs = st.fixed_dictionaries({
@@ -47,10 +51,13 @@ configs = st.fixed_dictionaries({
     "max_num_batched_tokens": st.sampled_from([8, 24, 2048]),
     "kv_budget_tokens": st.sampled_from([None, 12, 24]),
     "kv_frag_threshold": st.sampled_from([0.0, 0.25]),
-    "kv_min_tokens": st.sampled_from([0, 0, 20]),
+    "kv_min_tokens": st.sampled_from([0, 0, 20, 10 ** 6]),     # 10 ** 6: never reached
+    "kv_evict_scope": st.sampled_from(["all", "all", "generated"]),
+    "kv_evict_interval": st.sampled_from([1, 1, 6]),
     "kv_prefill_chunk": st.sampled_from([None, None, 8]),
     "kv_cache_dtype": st.sampled_from(["auto", "float32", "fp8", "bfloat16"]),
-})
+}).filter(lambda c: not (c["kv_eviction_policy"] == "snapkv" and       # refused: it compresses
+                         c["kv_evict_scope"] == "generated"))          # the prompt only
 op = st.one_of(
     st.tuples(st.just("add"), st.integers(0, 3), st.integers(2, 30), st.integers(1, 3)),
     st.tuples(st.just("follow"), st.integers(0, 10 ** 6), st.integers(2, 20), st.just(1)),
@@ -75,6 +82,15 @@ def params(max_tokens: int, n: int, seed: int) -> SamplingParams:
 _SOLO: Dict[Tuple, List[Tuple]] = {}
 
 
+def native_cfg(cfg: dict) -> dict:
+    """The same engine without eviction; its prompts chunk where a streamed prompt's do (alone,
+    a chunk of at most N tokens ends at N, 2N, ...)."""
+    chunk = cfg["kv_prefill_chunk"]
+    batched = cfg["max_num_batched_tokens"] if chunk is None else \
+        min(chunk, cfg["max_num_batched_tokens"])
+    return dict(cfg, kv_eviction_policy="none", max_num_batched_tokens=batched)
+
+
 def solo(model, cfg: dict, rid: str, prompt: List[int], p: SamplingParams) -> List[Tuple]:
     """(tokens, eviction log) per sample of the request run alone, prefix caching off (same
     request id: the random policy's draws are keyed by it)."""
@@ -87,7 +103,8 @@ def solo(model, cfg: dict, rid: str, prompt: List[int], p: SamplingParams) -> Li
         seqs = eng.requests[rid].seqs
         while eng.has_unfinished_requests():
             eng.step()
-        _SOLO[key] = [(s.output_token_ids, [a.tolist() for a in s.eviction_log]) for s in seqs]
+        _SOLO[key] = [(s.output_token_ids, [a.tolist() for a in s.eviction_log or []])
+                      for s in seqs]
     return _SOLO[key]
 
 
@@ -149,6 +166,13 @@ class Traffic:
                 continue
             got = [(s.output_token_ids, [a.tolist() for a in s.eviction_log]) for s in seqs]
             assert got == solo(self.model, self.cfg, rid, prompt, p), f"{rid} differs from solo, {self.cfg}"
+            native = solo(self.model, native_cfg(self.cfg), rid, prompt, p)
+            for s, (tokens, _) in zip(seqs, native):
+                clean = len(tokens) if s.clean_tokens is None else \
+                    max(s.clean_tokens - len(prompt) + 1, 0)    # sampled with the full context
+                assert s.output_token_ids[:clean] == tokens[:clean], \
+                    f"{rid} differs from Native before its first eviction, {self.cfg}"
+                OPS["native_prefix"] += clean
             checked += 1
         return checked
 
@@ -219,5 +243,5 @@ def test_harness_ran_enough_operations():
     assert OPS["count"] >= 2000, OPS
     # the mix really happened: identity checked, preemption, aborts, hits and copies seen
     assert min(OPS[k] for k in ("identical", "preemptions", "aborts", "cache_hit_blocks",
-                                "relocations", "tp2_identical")) > 0, OPS
+                                "relocations", "tp2_identical", "native_prefix")) > 0, OPS
     assert OPS["models"] == set(MODELS), OPS

@@ -83,9 +83,12 @@ class KVManager:
         return self.bm.allocate_shortfall(hits, num_new_tokens, extra)
 
     def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
-        self.bm.allocate(seq, hits, num_new_tokens)
+        # every cached block the hit reads is taken before any fresh block: a fresh one may
+        # come off the free list's cached end and would drop a sliding hit block from the cache
         if self.sliding is not None:
             self.sliding.adopt(seq.seq_id, seq.block_hashes, len(hits))
+        self.bm.allocate(seq, hits, num_new_tokens)
+        if self.sliding is not None:
             self.sliding.allocate(seq.seq_id, seq.num_computed_tokens, num_new_tokens)
         self.seqs[seq.seq_id] = seq
         seq.clean_tokens = None
