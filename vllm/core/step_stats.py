@@ -14,7 +14,7 @@ from vllm.sequence import Sequence
 @dataclass
 class ScoreRequest:
     decode: bool = False                  # attention mass of each decode query over its view
-    # seq_id -> key statistic ("norm" | "similarity") to compute over its view after the step
+    # seq_id -> key statistic (one of step_input.KEY_STATISTICS) over its view after the step
     key_statistic: Dict[str, str] = field(default_factory=dict)
     # seq_id -> index (within the step's chunk) of the first prompt query whose attention counts
     # towards the column sums; sequences not listed need none this step.

@@ -9,8 +9,9 @@ Every policy protects the sinks (ids < `sinks`) and the newest live token, so th
 below `minimum = sinks + recent_minimum` (see `token_budget`).
 
 Scope (--kv-evict-scope): under "all" every token counts and may go. Under "generated" the prompt
-(ids < prompt length) is never evicted and counts for nothing: budgets, ratios and sinks are over
-the generated tokens, so a request holds its prompt plus at most the budget of generated tokens.
+(ids < prompt length) is never evicted and counts for nothing: budgets and ratios are over the
+generated tokens, so a request holds its prompt plus at most the budget of generated tokens. The
+prompt holds the sinks (ids < sinks lie in it), so no generated token is a sink.
 Interval (--kv-evict-interval N): a policy evicts only once its counted live tokens reach
 budget + N, and then back down to the budget (`excess`); N = 1 evicts whenever it is over.
 """
