@@ -51,7 +51,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 
 POLICIES = ("h2o", "scissorhands", "streamingllm", "sliding-window", "random", "tova", "snapkv",
-            "knorm", "keydiff")
+            "knorm", "keydiff", "rkv", "value-random")
 BUDGETS = ("r0.25", "r0.5", "r0.75", "256", "512", "1024")    # rN: ratio evicted; N: fixed tokens
 REFERENCE = "float32"           # the KV dtype of the reference (Native) run
 
