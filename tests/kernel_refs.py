@@ -7,6 +7,15 @@ import torch
 BS = 4   # block size of the paged scenes
 
 
+def prefill_meta(spans):
+    """The AttentionMetadata of a prefill-only step over these PrefillSpans."""
+    from vllm.attention.backend import AttentionMetadata
+    empty = torch.empty(0, dtype=torch.int64)
+    return AttentionMetadata(slot_mapping=empty, num_decodes=0,
+                             decode_views=torch.empty(0, 1, dtype=torch.int64),
+                             decode_lens=empty, prefills=list(spans))
+
+
 def rel_err(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 

@@ -70,8 +70,11 @@ def test_batched_matches_span_by_span(seed, punched):
     assert rel_err(out, ref) < 1e-5
 
 
-def test_colsum_spans_stay_alone():
+def test_colsum_spans_join_the_batch():
+    """A span that collects column sums attends in the batched call like the others (its
+    output is the one it would have without them); its sums come from a pass beside it."""
     q, kv, meta = _scene()
+    plain = paged_attention(q, kv, meta, 0.3, prefill_path="batched")
     meta.prefills[1].colsum = torch.zeros(10)
     meta.prefills[1].colsum_from = 1
     ref = paged_attention(q, kv, meta, 0.3, prefill_path="span")
@@ -79,9 +82,9 @@ def test_colsum_spans_stay_alone():
     meta.prefills[1].colsum.zero_()
     with ops.forced_backend("torch"):
         batches = meta.prefill_batches
-    assert len(batches) == 1 and batches[0].shape == (3, 5, 9)   # spans 0, 2, 3
+    assert len(batches) == 1 and batches[0].shape == (4, 5, 10)   # every span
     out = paged_attention(q, kv, meta, 0.3, prefill_path="batched")
-    assert rel_err(out, ref) < 1e-5
+    assert torch.equal(out, plain) and rel_err(out, ref) < 1e-5
     assert torch.allclose(meta.prefills[1].colsum, ref_colsum)
 
 

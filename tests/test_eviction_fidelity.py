@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.conftest import random_prompts
-from tests.kernel_refs import paged_scene
+from tests.kernel_refs import paged_scene, prefill_meta
 from vllm import LLM, SamplingParams
-from vllm.attention.backend import AttentionMetadata, PrefillSpan, paged_attention
+from vllm.attention.backend import PrefillSpan, paged_attention
 from vllm.config import EVICTION_POLICIES
 from vllm.kernels import ops
 
@@ -41,7 +41,7 @@ def test_decode_mass_leaves_the_output_bit_identical(isa, backend, dtype):
     assert torch.allclose(mass.sum(dim=1), torch.full((len(lens),), 8.0), atol=1e-4)
 
 
-def _prefill_meta(lens, kv_slots, colsum_from):
+def _spans(lens, kv_slots, colsum_from):
     spans, start = [], 0
     for n, slots in zip(lens, kv_slots):
         span = PrefillSpan(start, start + n, slots, None)
@@ -49,10 +49,7 @@ def _prefill_meta(lens, kv_slots, colsum_from):
             span.colsum, span.colsum_from = torch.zeros(n), colsum_from
         spans.append(span)
         start += n
-    empty = torch.empty(0, dtype=torch.int64)
-    return AttentionMetadata(slot_mapping=empty, num_decodes=0,
-                             decode_views=torch.empty(0, 1, dtype=torch.int64),
-                             decode_lens=empty, prefills=spans)
+    return prefill_meta(spans)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -63,8 +60,8 @@ def test_prefill_column_sums_leave_the_output_bit_identical(path, dtype, colsum_
     kv, slots, _ = paged_scene(lens, 2, 32, seed=5, num_blocks=200, dtype=dtype)
     kv_slots = [slots[i, :n] for i, n in enumerate(lens)]
     q = torch.randn(sum(lens), 4, 32, generator=torch.Generator().manual_seed(1))
-    plain = paged_attention(q, kv, _prefill_meta(lens, kv_slots, None), 0.2, prefill_path=path)
-    meta = _prefill_meta(lens, kv_slots, colsum_from)
+    plain = paged_attention(q, kv, _spans(lens, kv_slots, None), 0.2, prefill_path=path)
+    meta = _spans(lens, kv_slots, colsum_from)
     scored = paged_attention(q, kv, meta, 0.2, prefill_path=path)
     assert torch.equal(plain, scored)
     for span, n in zip(meta.prefills, lens):     # 4 heads x (n - colsum_from) scored queries

@@ -140,7 +140,8 @@ def test_c_attention_reads_every_value_exactly(isa):
 
 def test_torch_decode_and_prefill_over_bf16_match_reference():
     from tests.kernel_refs import prefill_reference
-    from vllm.attention.backend import PrefillSpan, _prefill
+    from tests.kernel_refs import prefill_meta
+    from vllm.attention.backend import PrefillSpan, paged_attention
     h, kvh, d = 6, 2, 16
     cache, vals, slots, lens_t = bf16_scene([5, 37, 20], kvh, d, 4)
     q = torch.randn(3, h, d, generator=torch.Generator().manual_seed(1))
@@ -150,7 +151,8 @@ def test_torch_decode_and_prefill_over_bf16_match_reference():
     assert rel_err(out, ref_out) < 1e-5 and rel_err(mass, ref_mass) < 1e-5
     view = slots[1, :37]
     qp = torch.randn(7, h, d)
-    got = _prefill(qp, cache, PrefillSpan(0, 7, view, None), 0.25)
+    got = paged_attention(qp, cache, prefill_meta([PrefillSpan(0, 7, view, None)]), 0.25,
+                          prefill_path="span")
     mask = torch.ones(7, 37, dtype=torch.bool).tril(30)
     ref = prefill_reference(qp.transpose(0, 1), vals[view, 0].transpose(0, 1),
                             vals[view, 1].transpose(0, 1), mask, 0.25).transpose(0, 1)

@@ -272,7 +272,8 @@ def test_c_decode_over_fp8_matches_float64_reference(isa, dtype, h, kvh, d):
 @pytest.mark.parametrize("dtype", FP8)
 def test_torch_decode_and_prefill_over_fp8_match_reference(dtype):
     from tests.kernel_refs import prefill_reference
-    from vllm.attention.backend import PrefillSpan, _prefill
+    from tests.kernel_refs import prefill_meta
+    from vllm.attention.backend import PrefillSpan, paged_attention
     h, kvh, d = 6, 2, 16
     lens = [5, 37, 20]
     stacked, deq, slots, lens_t = fp8_scene(lens, kvh, d, 4, dtype, 0.5, 2.0)
@@ -283,8 +284,8 @@ def test_torch_decode_and_prefill_over_fp8_match_reference(dtype):
     assert rel_err(out, ref_out) < 1e-5 and rel_err(mass, ref_mass) < 1e-5
     view = slots[1, :37]
     qp = torch.randn(7, h, d)
-    span = PrefillSpan(0, 7, view, None)
-    got = _prefill(qp, stacked[0], span, 0.25)
+    got = paged_attention(qp, stacked[0], prefill_meta([PrefillSpan(0, 7, view, None)]), 0.25,
+                          prefill_path="span")
     mask = torch.ones(7, 37, dtype=torch.bool).tril(30)
     ref = prefill_reference(qp.transpose(0, 1), deq[view, 0].transpose(0, 1),
                             deq[view, 1].transpose(0, 1), mask, 0.25).transpose(0, 1)
