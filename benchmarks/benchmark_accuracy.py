@@ -632,18 +632,20 @@ def longgen_plot(data: Dict):
     scopes = list(dict.fromkeys(r["scope"] for r in rows))
     fig, axes = plt.subplots(1, len(scopes), figsize=(6 * len(scopes), 4), squeeze=False)
     intervals = sorted({r["interval"] for r in rows})
+    colors = plt.get_cmap("tab20").colors
     for ax, scope in zip(axes[0], scopes):
         for i, p in enumerate(dict.fromkeys(r["policy"] for r in rows)):
             for iv, ls in ((intervals[0], "-"), (intervals[-1], "--")):
                 pts = sorted((r["kv_x"], r["ppl_change_%"]) for r in rows
                              if (r["policy"], r["scope"], r["interval"]) == (p, scope, iv))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, ls=ls, color=f"C{i % 10}",
+                    ax.plot(*zip(*pts), marker="o", ms=3, ls=ls, color=colors[2 * i % 20 + i // 10 % 2],
                             label=f"{p} (interval {iv})" if ls == "-" or i == 0 else None)
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xlabel("KV blocks held, relative to Native (mean over computed tokens)")
         ax.set_ylabel("perplexity change from Native, %")
         ax.set_yscale("symlog", linthresh=3)
+        ax.set_ylim(bottom=min(-0.5, min(r["ppl_change_%"] for r in rows)))
         ax.set_title(f"scope {scope}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
