@@ -639,7 +639,8 @@ def longgen_plot(data: Dict):
                 pts = sorted((r["kv_x"], r["ppl_change_%"]) for r in rows
                              if (r["policy"], r["scope"], r["interval"]) == (p, scope, iv))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, ls=ls, color=colors[2 * i % 20 + i // 10 % 2],
+                    color = colors[2 * i % 20 + i // 10 % 2]      # tab20: dark, then light
+                    ax.plot(*zip(*pts), marker="o", ms=3, ls=ls, color=color,
                             label=f"{p} (interval {iv})" if ls == "-" or i == 0 else None)
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xlabel("KV blocks held, relative to Native (mean over computed tokens)")
