@@ -358,6 +358,7 @@ def run_long_generation(model, args, prompt: List[int], continuation: List[int],
     eng.reference, eng.record = eng.record, None
     outs.update(drain(eng, [(v.rid, prompt, params, v.eviction()) for v in todo[1:]]))
     native_blocks = outs[todo[0].rid].kv_stats["mean_blocks_per_token"]
+    native_peak = outs[todo[0].rid].kv_stats["peak_blocks"]
     rows = []
     for v in todo:
         s, st = eng.scores.get(v.rid, Score()), outs[v.rid].kv_stats
@@ -366,6 +367,7 @@ def run_long_generation(model, args, prompt: List[int], continuation: List[int],
                      "ppl": float(np.exp(s.nll / s.tokens)) if s.tokens else float("nan"),
                      "kl": s.kl / s.tokens if s.tokens else float("nan"),
                      "kv_x": st["mean_blocks_per_token"] / native_blocks,
+                     "peak_x": st["peak_blocks"] / native_peak,     # the footprint a pool sizes
                      "evicted": st.get("evicted_tokens", 0)})
     texts = {v.rid: eng.tokenizer.decode(outs[v.rid].outputs[0].token_ids[len(forced):])
              for v in todo}
@@ -396,12 +398,13 @@ def longgen_task(model, args, tok, data) -> List[Dict]:
         change = [100 * (r["ppl"] / native[r["text"]] - 1) for r in rs]
         merged.append({"policy": cell[0], "budget": cell[1], "scope": cell[2],
                        "interval": cell[3], "kv_x": float(np.mean([r["kv_x"] for r in rs])),
+                       "peak_x": float(np.mean([r.get("peak_x", np.nan) for r in rs])),
                        "ppl": float(np.exp(np.mean([np.log(r["ppl"]) for r in rs]))),
                        "ppl_change_%": float(np.mean(change)),
                        "spread_%": float(max(change) - min(change)),
                        "kl": float(np.mean([r["kl"] for r in rs])), "runs": len(rs)})
-    common.table(merged, ["policy", "budget", "scope", "interval", "kv_x", "ppl", "ppl_change_%",
-                          "spread_%", "kl", "runs"],
+    common.table(merged, ["policy", "budget", "scope", "interval", "kv_x", "peak_x", "ppl",
+                          "ppl_change_%", "spread_%", "kl", "runs"],
                  f"(e) long generation: {args.longgen_prompt}-token prompt, the next "
                  f"{args.longgen_tokens} essay tokens decoded teacher-forced, "
                  f"{args.longgen_texts} text(s), random policies x{args.draws} draws "

@@ -144,4 +144,9 @@ def test_long_generation_teacher_forced(tiny_llama):
         assert r["evicted"] > 0 and r["kl"] > 0 and r["kv_x"] < 1.0, r
     # scope generated holds the 40-token prompt besides the budget: more KV than scope all
     assert by["h2o", "generated", 1, 0]["kv_x"] > by["h2o", "all", 1, 0]["kv_x"]
+    # peaks in 16-token blocks: Native's 120 tokens fill 8; scope all holds the 40-token prompt
+    # once (3), scope generated the prompt + 16 + the new token (4) and slots not yet repacked
+    assert native["peak_x"] == 1.0
+    assert 3 / 8 <= by["h2o", "all", 1, 0]["peak_x"] < by["h2o", "generated", 1, 0]["peak_x"]
+    assert 4 / 8 <= by["h2o", "generated", 1, 0]["peak_x"] < 1.0
     assert by["random", "all", 1, 0]["kl"] != by["random", "all", 1, 1]["kl"]     # two draws
