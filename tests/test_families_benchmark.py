@@ -110,7 +110,8 @@ def test_llamacpp_path_pairs_rounds_with_a_stand_in_peer(tmp_path, monkeypatch):
     data = json.loads((out / "benchmark_families_tiny-gemma3.json").read_text())
     _check_rows(data, [1, 2], hf=False)
     assert data["quantization"] == "gguf" and data["gguf"] == gguf
-    assert data["weights"].startswith("GGUF blocks")
+    # which format wins is timed at load on this host: the tiny model may drop its blocks
+    assert data["weights"].startswith(("GGUF blocks", "float32 at every batch size"))
     assert calls == [[1], [1], [2], [2]]            # two rounds per batch, one batch per call
     assert data["llamacpp"]["version"] == "version: 1 (fake)"
     assert len(data["llamacpp"]["commands"]) == 4
