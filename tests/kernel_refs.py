@@ -16,6 +16,19 @@ def prefill_meta(spans):
                              decode_lens=empty, prefills=list(spans))
 
 
+def key_statistic_reference(cache, slots, kind: str):
+    """What ModelRunner._key_statistic computes, per view slot, mean over layers and KV heads:
+    "norm" ||k||, "value_norm" ||v||, "similarity" cos(k, the view's mean unit key); cache
+    [L, S, 2, KVH, D] (float64 for a reference). -> numpy [len(slots)]."""
+    x = cache[:, slots, 1 if kind == "value_norm" else 0]           # [L, n, KVH, D]
+    norms = x.norm(dim=-1, keepdim=True)
+    if kind != "similarity":
+        return norms.mean(dim=(0, 2)).flatten().numpy()
+    unit = x / norms
+    anchor = unit.mean(dim=1, keepdim=True)
+    return (unit * anchor / anchor.norm(dim=-1, keepdim=True)).sum(-1).mean(dim=(0, 2)).numpy()
+
+
 def rel_err(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 

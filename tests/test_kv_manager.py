@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import random_prompts
+from tests.kernel_refs import key_statistic_reference
 from vllm import LLM, SamplingParams
 from vllm.core.eviction import SnapKVPolicy, TOVAPolicy
 from vllm.config import KVEvictionConfig
@@ -197,13 +198,20 @@ def test_every_block_is_usable_under_vtoken(tiny_llama):
     assert eng.kv.bm.peak_used == 4
 
 
-def cached_key_statistic(eng, slots: torch.Tensor, kind: str) -> np.ndarray:
-    keys = eng.kv_caches[:, slots, 0]
-    if kind == "norm":
-        return keys.norm(dim=-1).mean(dim=(0, 2)).numpy()
-    unit = keys / keys.norm(dim=-1, keepdim=True)
-    anchor = unit.mean(dim=1, keepdim=True)
-    return (unit * anchor / anchor.norm(dim=-1, keepdim=True)).sum(-1).mean(dim=(0, 2)).numpy()
+def key_statistic_steps(eng, seq, steps: int):
+    """Decode steps of a request over budget whose policy reads a key statistic: each step asks
+    for no attention statistics and hands the policy its view's statistic. Yields (view ids,
+    their slots as the step read them) after each step."""
+    tt = eng.kv.token_table
+    for _ in range(steps):
+        new = seq.num_tokens - 1
+        view = np.append(tt.live_ids(seq.seq_id), new)
+        before = tt.live_slots(seq.seq_id).copy()     # no relocation here: they stay put
+        req = eng.kv.score_request([(seq, 1)])
+        assert not req.decode and not req.prefill_from
+        eng.step()
+        assert seq.policy.score_ids.tolist() == view.tolist()
+        yield view, torch.from_numpy(np.append(before, tt.slots(seq.seq_id, new, new + 1)))
 
 
 @pytest.mark.parametrize("policy,kind", [("knorm", "norm"), ("keydiff", "similarity")])
@@ -219,16 +227,9 @@ def test_key_score_policies_read_the_cached_keys(tiny_llama, policy, kind):
     tt = eng.kv.token_table
     eng.step()                                            # the prompt: evicts down to 24
     assert seq.kv_stats["evicted_tokens"] == 36 and len(seq.policy.score_ids) == 60
-    for _ in range(4):
-        new = seq.num_tokens - 1
-        view = np.append(tt.live_ids(seq.seq_id), new)
-        before = tt.live_slots(seq.seq_id).copy()     # no relocation here: they stay put
-        req = eng.kv.score_request([(seq, 1)])
-        assert not req.decode and not req.prefill_from
-        eng.step()
-        assert seq.policy.score_ids.tolist() == view.tolist()
-        slots = torch.from_numpy(np.append(before, tt.slots(seq.seq_id, new, new + 1)))
-        assert np.allclose(seq.policy.score, cached_key_statistic(eng, slots, kind), atol=1e-5)
+    for view, slots in key_statistic_steps(eng, seq, 4):
+        want = key_statistic_reference(eng.kv_caches.double(), slots, kind)
+        assert np.allclose(seq.policy.score, want, atol=1e-5)
         gone = np.setdiff1d(view, tt.live_ids(seq.seq_id))
         assert len(gone) == 1 and gone[0] == view[np.argmax(seq.policy.score[:-1])]
     # under budget the statistic is never computed

@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import random_prompts
+from tests.kernel_refs import key_statistic_reference
+from tests.test_kv_manager import key_statistic_steps
 from vllm import KVEvictionParams, LLM, SamplingParams
 from vllm.attention import kv_quant
 from vllm.config import KVEvictionConfig
@@ -313,16 +315,6 @@ def test_property_value_random_spares_the_largest_values(prompt, steps, budget, 
 
 # ---------------------------------------------------------------- the runner's key statistics
 
-def reference_statistic(cache64: torch.Tensor, slots, kind) -> np.ndarray:
-    x = cache64[:, slots, 1 if kind == "value_norm" else 0]           # [L, n, KVH, D]
-    norms = x.norm(dim=-1, keepdim=True)
-    if kind != "similarity":
-        return norms.mean(dim=(0, 2)).flatten().numpy()
-    unit = x / norms
-    anchor = unit.mean(dim=1, keepdim=True)
-    return (unit * anchor / anchor.norm(dim=-1, keepdim=True)).sum(-1).mean(dim=(0, 2)).numpy()
-
-
 @pytest.mark.parametrize("kind", ["norm", "similarity", "value_norm"])
 @pytest.mark.parametrize("dtype", ["float32", "fp8_e4m3", "fp8_e5m2"])
 def test_runner_key_statistics_equal_a_float64_reference(kind, dtype):
@@ -346,7 +338,7 @@ def test_runner_key_statistics_equal_a_float64_reference(kind, dtype):
     runner = ModelRunner(torch.nn.Identity(), cache, 8, 2, 64)
     view = np.array([5, 40, 3, 17, 22, 9, 30], np.int64)
     got = runner._key_statistic(view, kind)
-    want = reference_statistic(cache64, torch.from_numpy(view), kind)
+    want = key_statistic_reference(cache64, torch.from_numpy(view), kind)
     assert got.dtype == np.float32 and got.shape == (len(view),)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -361,23 +353,15 @@ def test_value_random_reads_the_cached_value_norms(tiny_llama, kv_cache_dtype):
     eng = llm.llm_engine
     eng.add_request("v", {"prompt_token_ids": random_prompts(1, seed=62, lo=40, hi=41)[0]},
                     SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    seq, tt = eng.requests["v"].seqs[0], eng.kv.token_table
+    seq = eng.requests["v"].seqs[0]
     eng.step()
     assert len(seq.policy.score_ids) == 40 and seq.kv_stats["evicted_tokens"] == 16
-    for _ in range(3):
-        new = seq.num_tokens - 1
-        view = np.append(tt.live_ids(seq.seq_id), new)
-        before = tt.live_slots(seq.seq_id).copy()      # no relocation here: they stay put
-        req = eng.kv.score_request([(seq, 1)])
-        assert not req.decode and not req.prefill_from
-        eng.step()
-        slots = torch.from_numpy(np.append(before, tt.slots(seq.seq_id, new, new + 1)))
-        assert seq.policy.score_ids.tolist() == view.tolist()
+    for _, slots in key_statistic_steps(eng, seq, 3):
         kv = eng.kv_caches
         cache64 = kv.to(torch.float64)
         if kv_quant.is_fp8(kv):
             cache64 *= kv_quant.scales_of(kv).double().view(-1, 1, 2, 1, 1)
-        want = reference_statistic(cache64, slots, "value_norm")
+        want = key_statistic_reference(cache64, slots, "value_norm")
         np.testing.assert_allclose(seq.policy.score, want, rtol=1e-5)
 
 
