@@ -127,16 +127,23 @@ class TeacherForcedEngine(LLMEngine):
                 continue
             c = seq.num_computed_tokens
             end = c + r.prompt_logits.stop - r.prompt_logits.start   # positions with a next token
-            logp = torch.log_softmax(logits[r.prompt_logits].float(), dim=-1)
-            nxt = torch.tensor(seq.prompt_token_ids[c + 1:end + 1])
-            s = self.scores.setdefault(seq.request_id, Score())
-            s.nll += float(-logp[torch.arange(end - c), nxt].sum())
-            s.tokens += end - c
-            if self.record is not None:
-                self.record[c:end] = logp
-            if self.reference is not None:
-                ref = self.reference[c:end]
-                s.kl += float((ref.exp() * (ref - logp)).sum())
+            self.score(seq.request_id, c, logits[r.prompt_logits],
+                       torch.tensor(seq.prompt_token_ids[c + 1:end + 1]))
+
+    def score(self, rid: str, at: int, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """Scored positions at .. at + k - 1 of request rid: their logits [k, vocab] and the
+        tokens that follow them [k] add to its NLL, fill the record, and add KL from the
+        reference's rows at the same positions."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        end = at + len(targets)
+        s = self.scores.setdefault(rid, Score())
+        s.nll += float(-logp[torch.arange(len(targets)), targets].sum())
+        s.tokens += len(targets)
+        if self.record is not None:
+            self.record[at:end] = logp
+        if self.reference is not None:
+            ref = self.reference[at:end]
+            s.kl += float((ref.exp() * (ref - logp)).sum())
 
 
 def run_perplexity(model, args, text_ids: List[int], todo: List[Tuple[str, str]],
@@ -307,17 +314,15 @@ def gen_variants(policies, budgets, scopes, intervals, draws: int) -> List[GenVa
     return out
 
 
-class TeacherForcedDecodeEngine(LLMEngine):
+class TeacherForcedDecodeEngine(TeacherForcedEngine):
     """Decode steps that emit given tokens instead of sampled ones: request rid emits
     forced[rid][i] as its i-th output token (then samples, greedy), and the first scored[rid] of
     them add their NLL under the request's own distribution, and KL(reference || request) where
-    Native's log-probs are given (a first pass records them). Every other part of a step (the
-    policy, its statistics, interval, scope, reclamation) is the engine's own."""
+    Native's log-probs are given (a first pass records them; `record` and `reference` are
+    [scored, vocab], by output position). Every other part of a step (the policy, its
+    statistics, interval, scope, reclamation) is the engine's own."""
     forced: Dict[str, List[int]]
     scored: Dict[str, int]
-    scores: Dict[str, Score]
-    record: Optional[torch.Tensor] = None       # [scored, vocab], filled by the Native pass
-    reference: Optional[torch.Tensor] = None
 
     @torch.inference_mode()
     def _sample(self, rows, logits):
@@ -329,15 +334,7 @@ class TeacherForcedDecodeEngine(LLMEngine):
                 continue
             out.token_ids[i] = forced[step]
             if step < self.scored[rid]:
-                logp = torch.log_softmax(logits[i].float(), dim=-1)
-                s = self.scores.setdefault(rid, Score())
-                s.nll -= float(logp[forced[step]])
-                s.tokens += 1
-                if self.record is not None:
-                    self.record[step] = logp
-                if self.reference is not None:
-                    ref = self.reference[step]
-                    s.kl += float((ref.exp() * (ref - logp)).sum())
+                self.score(rid, step, logits[i:i + 1], torch.tensor([forced[step]]))
         return out
 
 
