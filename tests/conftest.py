@@ -190,6 +190,62 @@ def build_family_model(path: str, family: str) -> str:
 
 FAMILIES = ["qwen3", "gemma3", "mistral-w12"]
 
+# ---- mixture-of-experts families (tests/test_moe_models.py) --------------------------------------
+MOE_COMMON = dict(COMMON, intermediate_size=64)
+
+
+def _randomize_biases(model, std: float = 0.5) -> None:
+    """Every bias and attention sink drawn N(0, std): a bias or sink left out fails."""
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def build_moe_model(path: str, family: str) -> str:
+    """Tiny random MoE checkpoints: routers drawn with the other weights (N(0, 0.2): no top-k
+    ties), norms, biases and sinks randomized; experts of 32 (the C activation's width)."""
+    import transformers
+    torch.manual_seed(4)
+    if family == "qwen3-moe":        # layer 1 dense (mlp_only_layers), 8 experts, top-2 renormed
+        cfg = transformers.Qwen3MoeConfig(
+            **MOE_COMMON, num_hidden_layers=3, head_dim=32, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+            mlp_only_layers=[1], tie_word_embeddings=False)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif family == "mixtral":        # 4 experts, top-2
+        cfg = transformers.MixtralConfig(**dict(MOE_COMMON, intermediate_size=32),
+                                         num_hidden_layers=2, num_local_experts=4,
+                                         num_experts_per_tok=2, tie_word_embeddings=False)
+        model = transformers.MixtralForCausalLM(cfg)
+    elif family == "gpt-oss":        # sliding 16 / full, sinks, YaRN, biased router, clamped GLU
+        cfg = transformers.GptOssConfig(
+            **dict(MOE_COMMON, intermediate_size=32), num_hidden_layers=2, head_dim=16,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+            tie_word_embeddings=False, swiglu_limit=1.0)
+        model = transformers.GptOssForCausalLM(cfg)
+        with torch.no_grad():        # transformers draws these 0 / N(0, std) in _init_weights
+            for name, p in model.named_parameters():
+                if "experts" in name and not name.endswith("bias"):
+                    p.normal_(0, 0.2)
+        _randomize_biases(model)
+    else:
+        raise ValueError(family)
+    _randomize_norms(model, 1.0)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+MOE_FAMILIES = ["qwen3-moe", "mixtral", "gpt-oss"]
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {f: build_moe_model(str(root / f), f) for f in MOE_FAMILIES}
+
 
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory):

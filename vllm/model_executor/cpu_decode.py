@@ -189,7 +189,7 @@ def _stackable(layers: nn.ModuleList) -> bool:
 
 
 def _quant_linears(layers: nn.ModuleList, head: nn.Module) -> List[QuantLinear]:
-    gemms = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    gemms = [lin for layer in layers for lin in layer.gemms()]
     return [lin for lin in gemms + [head] if isinstance(lin, QuantLinear)]
 
 

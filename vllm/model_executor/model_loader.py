@@ -218,9 +218,9 @@ def dummy_state_dict(hf_config, seed: int = 0, device: torch.device = torch.devi
                 w[f"{p}.self_attn.{name}_proj.bias"] = torch.zeros(rows, device=device,
                                                                    dtype=dtype)
         w[f"{p}.self_attn.o_proj.weight"] = rand(c.hidden_size, c.num_attention_heads * head_dim)
-        w[f"{p}.mlp.gate_proj.weight"] = rand(c.intermediate_size, c.hidden_size)
-        w[f"{p}.mlp.up_proj.weight"] = rand(c.intermediate_size, c.hidden_size)
-        w[f"{p}.mlp.down_proj.weight"] = rand(c.hidden_size, c.intermediate_size)
+        for name, shape in cls.layer_shapes(c, i).items():
+            w[f"{p}.{name}"] = (torch.zeros(*shape, device=device, dtype=dtype)
+                                if name.endswith("bias") else rand(*shape))
         for name in cls.layer_norms:
             w[f"{p}.{name}.weight"] = ones(c.hidden_size)
         for name in cls.head_norms:

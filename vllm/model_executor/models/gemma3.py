@@ -11,7 +11,6 @@ from typing import Dict, Optional
 
 import torch
 
-from vllm.model_executor.layers.activation import act_mul
 from vllm.model_executor.layers.layernorm import gemma_weight, rms_norm
 from vllm.model_executor.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -35,8 +34,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         h = self._row_parallel(self.o, self.attention(h, cos, sin, rotary, kv_cache, meta))
         x = x + rms_norm(h, self.ln2, self.eps)            # ln2: post_attention_layernorm
         h = rms_norm(x, self.ln_pre_ffn, self.eps)
-        h = self._row_parallel(self.down, act_mul(self.gate_up(h), self.act))
-        return x + rms_norm(h, self.ln_post_ffn, self.eps)
+        return x + rms_norm(self.feed_forward(h), self.ln_post_ffn, self.eps)
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_class = Gemma3DecoderLayer

@@ -29,6 +29,7 @@ from vllm.model_executor.cpu_decode import CpuDecodeModel
 from vllm.model_executor.layers.activation import act_mul, gated_activation
 from vllm.model_executor.layers.attention import (FULL, AttentionSpec, attention_specs,
                                                   kv_groups, scores_from)
+from vllm.model_executor.layers.fused_moe import expert_name
 from vllm.model_executor.layers.layernorm import rms_norm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary_embedding import Rotary, rope_parameters
@@ -45,6 +46,19 @@ def local_heads(cfg, tp: TPGroup) -> Tuple[int, int]:
 # each fused GEMM of a decoder layer: its weights (after "model.layers.N."), in output order
 LAYER_GEMMS = {"qkv": [f"self_attn.{n}_proj" for n in "qkv"], "o": ["self_attn.o_proj"],
                "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+
+
+def layer_gemm_names(w: Dict[str, torch.Tensor], p: str) -> List[List[str]]:
+    """The weight names of each fused GEMM of layer prefix p: attention's, then the gated
+    MLP's or every expert's (layers/fused_moe.py)."""
+    gemms = ["qkv", "o"] + (["gate_up", "down"] if f"{p}.mlp.gate_proj.weight" in w else [])
+    names = [[f"{p}.{n}.weight" for n in LAYER_GEMMS[g]] for g in gemms]
+    e = 0
+    while expert_name(p, e, "gate") in w:
+        names += [[expert_name(p, e, "gate"), expert_name(p, e, "up")],
+                  [expert_name(p, e, "down")]]
+        e += 1
+    return names
 
 
 def _quant_group(quant: Optional[Dict[str, QuantWeight]], p: str,
@@ -87,8 +101,7 @@ class DecoderLayer(nn.Module):
             return Linear(wt, bias, plan, arena)
         self.qkv = linear("qkv", qkv_b)
         self.o = linear("o", o_bias)
-        self.gate_up = linear("gate_up")
-        self.down = linear("down")
+        self.build_mlp(cfg, w, p, linear, plan, arena, quant, dense)
         param = lambda name: nn.Parameter(w[f"{p}.{name}.weight"], requires_grad=False)  # noqa
         self.ln1, self.ln2 = param("input_layernorm"), param("post_attention_layernorm")
         # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
@@ -97,17 +110,35 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5 if scale is None else scale
+        # learned attention sinks (gpt-oss): a per-head logit in every softmax's denominator
+        sinks = w.get(f"{p}.self_attn.sinks")
+        self.sinks = None if sinks is None else nn.Parameter(sinks.float(), requires_grad=False)
         self.refresh_fused()
+
+    def build_mlp(self, cfg, w: Dict[str, torch.Tensor], p: str, linear, plan, arena, quant,
+                  dense) -> None:
+        """The feed-forward block's modules: the gated MLP's two fused GEMMs (a family with
+        another block, models/qwen3_moe.py, builds its own)."""
+        self.gate_up = linear("gate_up")
+        self.down = linear("down")
+
+    def gemms(self) -> List[nn.Module]:
+        """Every GEMM module of the layer."""
+        return [self.qkv, self.o, self.gate_up, self.down]
 
     def refresh_fused(self) -> None:
         """(Re)build the C decode layer's view (a subclass, once its own weights are set)."""
-        intermediate = self.gate_up.out_features // 2
-        self.fused = self._fused_weights(intermediate) if self.tp.world_size == 1 else None
+        if self.tp.world_size > 1 or self.sinks is not None or not hasattr(self, "gate_up"):
+            self.fused = None
+            return
+        self.fused = self._fused_weights(self.gate_up.out_features // 2)
 
     def c_layer_extras(self) -> Optional[dict]:
         """The C layer's fields beyond the Llama layer's (vtok_layer), or None where it cannot
         run this layer. The Llama layer: SiLU, two norms (a per-head q/k norm runs in C too)."""
-        return {} if type(self).forward is DecoderLayer.forward and self.act == "silu" else None
+        plain = type(self).forward is DecoderLayer.forward and \
+            type(self).feed_forward is DecoderLayer.feed_forward
+        return {} if plain and self.act == "silu" else None
 
     def _fused_weights(self, intermediate: int) -> Optional[cpu_kernels.LayerWeights]:
         """The C decode layer's view of this layer, where every piece of it runs in C (a GEMM
@@ -138,8 +169,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, rotary, kv_cache, meta: AttentionMetadata):
         h = rms_norm(x, self.ln1, self.eps)
         x = self._row_parallel(self.o, self.attention(h, cos, sin, rotary, kv_cache, meta), x)
-        h = rms_norm(x, self.ln2, self.eps)
-        return self._row_parallel(self.down, act_mul(self.gate_up(h), self.act), x)
+        return self.feed_forward(rms_norm(x, self.ln2, self.eps), x)
+
+    def feed_forward(self, h: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """(residual +) the feed-forward block of h, summed over the ranks."""
+        return self._row_parallel(self.down, act_mul(self.gate_up(h), self.act), residual)
 
     def attention(self, h, cos, sin, rotary, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """QKV, q/k norm, RoPE and the cache write, attention over the layer's window: [T, H*D]."""
@@ -150,7 +184,8 @@ class DecoderLayer(nn.Module):
         q = ops.rope_write_kv(qkv, cos, sin, rotary, meta.slot_mapping, kv_cache,
                               self.num_heads, self.head_dim)
         decode_path = self.plan.attention_path(meta.num_decodes) if self.plan else None
-        attn = paged_attention(q, kv_cache, meta, self.scale, decode_path)
+        attn = paged_attention(q, kv_cache, meta, self.scale, decode_path,
+                               **({} if self.sinks is None else {'sinks': self.sinks}))
         return attn.reshape(h.shape[0], self.q_size)
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -203,7 +238,7 @@ class LlamaForCausalLM(CpuDecodeModel):
         assert quant is None or (on_cpu and self.tp.world_size == 1), \
             "GGUF block and bf16 weights run on the CPU in float32 at tensor parallel size 1"
         blocks, quant = quant, (None if quant_keep_float32 else quant)   # quant: self.layers'
-        shapes = self._gemm_shapes(cfg, w, head, self.num_heads, self.num_kv_heads, quant)
+        shapes = self._gemm_shapes(w, head, cfg.num_hidden_layers, quant)
         self.plan = cpu_kernel_plan.plan_model(
             shapes, self.num_heads, self.num_kv_heads, cfg.head_dim,
             cfg.num_hidden_layers) if on_cpu and ops.cpu_kernels_enabled() else None
@@ -224,6 +259,15 @@ class LlamaForCausalLM(CpuDecodeModel):
         self.finish_cpu_plan(blocks, quant_keep_float32)
         del self._weights
 
+    @classmethod
+    def layer_shapes(cls, cfg, i: int) -> Dict[str, Tuple[int, ...]]:
+        """Dummy weights (model_loader.dummy_state_dict): layer i's tensors beyond attention's
+        q/k/v/o and the norms (the feed-forward block's, a family's extras), by name after
+        "model.layers.i.", and their shapes (a name ending in "bias" is drawn 0)."""
+        inter, h = cfg.intermediate_size, cfg.hidden_size
+        return {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                "mlp.down_proj.weight": (h, inter)}
+
     def prepare_weights(self, w: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The checkpoint's tensors as the layers read them (a family folds or renames here)."""
         return w
@@ -242,22 +286,19 @@ class LlamaForCausalLM(CpuDecodeModel):
             for i, spec in enumerate(self.specs))
 
     @staticmethod
-    def _gemm_shapes(cfg, w: Dict[str, torch.Tensor], head: torch.Tensor, heads: int,
-                     kv_heads: int, quant: Optional[Dict[str, QuantWeight]] = None
+    def _gemm_shapes(w: Dict[str, torch.Tensor], head: torch.Tensor, layers: int,
+                     quant: Optional[Dict[str, QuantWeight]] = None
                      ) -> Dict[Tuple[int, int], int]:
         """(K, N) of every float32 GEMM weight (this rank's; not those kept quantized) -> how
-        many the model has."""
-        e, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
-        inter = w["model.layers.0.mlp.gate_proj.weight"].shape[0]
-        gemm_shapes = {"qkv": (e, (heads + 2 * kv_heads) * d), "o": (heads * d, e),
-                       "gate_up": (e, 2 * inter), "down": (inter, e)}
+        many the model has: each fused GEMM a layer has (an MoE layer's per expert)."""
         shapes: Dict[Tuple[int, int], int] = {}
         for i in range(layers):
-            for gemm, shape in gemm_shapes.items():
-                if _quant_group(quant, f"model.layers.{i}", gemm) is None:
+            for names in layer_gemm_names(w, f"model.layers.{i}"):
+                if group(quant, names) is None:
+                    shape = (w[names[0]].shape[1], sum(w[n].shape[0] for n in names))
                     shapes[shape] = shapes.get(shape, 0) + 1
         if group(quant, ["lm_head.weight"]) is None:
-            shape = (e, head.shape[0])
+            shape = (head.shape[1], head.shape[0])
             shapes[shape] = shapes.get(shape, 0) + 1
         return shapes
 

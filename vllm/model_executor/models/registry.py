@@ -1,5 +1,6 @@
 """Architecture name (config.json's `architectures`) -> the module and class that run it,
-imported on first use. Adding a dense family: one file under models/ and one line here."""
+imported on first use. Adding a family: one file under models/ and one line here (a
+mixture-of-experts family extends qwen3_moe.py's MoEForCausalLM)."""
 import importlib
 from typing import Dict, List, Optional, Tuple
 
@@ -10,6 +11,9 @@ _MODELS: Dict[str, Tuple[str, str]] = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -1,0 +1,253 @@
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral, gpt-oss): greedy tokens identical to
+transformers in float32 on tiny random checkpoints (conftest.build_moe_model: routers, norms,
+biases and sinks randomized; gpt-oss with windows of 16 and prompts longer than that), alone
+and batched, chunked, prefix-cached, preempted, at TP = 2, and under every eviction policy
+(Naive-Evict = vToken); the expert block against a float64 reference per C build and block
+type."""
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import MOE_FAMILIES, hf_greedy, random_prompts
+from vllm import LLM, SamplingParams
+from vllm.config import EVICTION_POLICIES
+from vllm.kernels import cpu_kernel_plan, cpu_kernels, quant_kernels
+from vllm.model_executor.layers.fused_moe import FusedMoE, MoESpec, expert_name
+from vllm.model_executor.quant_linear import QuantWeight
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(5, seed=12, lo=20, hi=45)      # every prompt longer than a window
+
+
+@pytest.fixture(scope="module")
+def references(moe_models, prompts):
+    return {f: hf_greedy(path, prompts, MAX_NEW) for f, path in moe_models.items()}
+
+
+def _generate(model_dir, prompts, **kwargs):
+    llm = LLM(model_dir, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    assert llm.llm_engine.kv.bm.num_free_blocks == llm.llm_engine.kv.bm.num_blocks
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_batch1_matches_transformers(moe_models, prompts, references, family):
+    got, _ = _generate(moe_models[family], prompts[:1], num_gpu_blocks_override=64)
+    assert got == references[family][:1]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("chunked,prefix", [(False, False), (True, True)])
+def test_mixed_batch_matches_transformers(moe_models, prompts, references, family, chunked,
+                                          prefix):
+    kwargs = dict(enable_prefix_caching=prefix, num_gpu_blocks_override=256)
+    if chunked:
+        kwargs.update(max_num_batched_tokens=16)       # multi-chunk prompts
+    else:
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=1024,
+                      max_model_len=1024)
+    got, _ = _generate(moe_models[family], prompts, **kwargs)
+    assert got == references[family]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_preemption_matches_transformers(moe_models, prompts, references, family):
+    got, llm = _generate(moe_models[family], prompts, num_gpu_blocks_override=14, block_size=8)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert got == references[family]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_tensor_parallel_matches_transformers(moe_models, prompts, references, family):
+    """TP = 2: every expert's intermediate split over the ranks, routing on each rank from the
+    whole router, the all-reduce after the experts; with eviction, vToken, as at TP = 1."""
+    from tests.test_tensor_parallel import EVICT, run
+    one, _ = run(moe_models[family], 1, kv_eviction_policy="h2o", **EVICT)
+    two, stats = run(moe_models[family], 2, kv_eviction_policy="h2o", **EVICT)
+    assert two == one and stats["evicted_tokens"] > 0
+    got, _ = _generate(moe_models[family], prompts, tensor_parallel_size=2)
+    assert got == references[family]
+
+
+@pytest.mark.parametrize("policy", [p for p in EVICTION_POLICIES if p != "none"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_naive_evict_equals_vtoken(moe_models, prompts, family, policy):
+    """gpt-oss's statistics are over real keys with its sinks in the softmax: rows sum to less
+    than one, and every policy runs on them."""
+    if family != "gpt-oss" and policy not in ("h2o", "streamingllm", "keydiff"):
+        pytest.skip("every policy runs on gpt-oss; three on the other families")
+    outs = {}
+    for mode in ("none", "vtoken", "vtoken-fill"):
+        outs[mode], llm = _generate(moe_models[family], prompts[:3], block_size=8,
+                                    num_gpu_blocks_override=256, kv_eviction_policy=policy,
+                                    kv_budget_tokens=24, kv_min_tokens=0, kv_reclamation=mode,
+                                    kv_check_invariants=True)
+        assert llm.llm_engine.get_kv_stats()["evicted_tokens"] > 0
+    assert outs["none"] == outs["vtoken"] == outs["vtoken-fill"]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_dummy_weights_from_config_alone(moe_models, family):
+    got, _ = _generate(moe_models[family], random_prompts(2, seed=3), load_format="dummy",
+                       num_gpu_blocks_override=64)
+    assert all(len(t) == MAX_NEW for t in got)
+
+
+# ---- the expert block ---------------------------------------------------------------------------
+H, I, E = 64, 32, 4
+
+
+def _weights(seed: int, biases: bool):
+    g = torch.Generator().manual_seed(seed)
+    w = {"p.mlp.gate.weight": torch.randn(E, H, generator=g)}
+    if biases:
+        w["p.mlp.gate.bias"] = torch.randn(E, generator=g)
+    for e in range(E):
+        for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            w[expert_name("p", e, proj)] = torch.randn(*shape, generator=g) * 0.2
+            if biases:
+                w[expert_name("p", e, proj)[:-6] + "bias"] = torch.randn(shape[0], generator=g)
+    return w
+
+
+def _reference(spec: MoESpec, w, x: torch.Tensor, dequant=None) -> torch.Tensor:
+    """float64: every token through its top_k experts, one at a time."""
+    x = x.double()
+    wd = {k: (dequant(k) if dequant and k.endswith("proj.weight") else v).double()
+          for k, v in w.items()}
+    logits = x @ wd["p.mlp.gate.weight"].t() + wd.get("p.mlp.gate.bias", 0)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        if spec.routing == "topk_softmax":
+            top, ids = torch.topk(logits[t], spec.top_k)
+            weights = torch.softmax(top, 0)
+        else:
+            top, ids = torch.topk(torch.softmax(logits[t], 0), spec.top_k)
+            weights = top / top.sum() if spec.renormalize else top
+        for wt, e in zip(weights, ids.tolist()):
+            lin = lambda proj, v: v @ wd[expert_name("p", e, proj)].t() + wd.get(  # noqa: E731
+                expert_name("p", e, proj)[:-6] + "bias", 0)
+            gate, up = lin("gate", x[t]), lin("up", x[t])
+            if spec.activation == "silu":
+                h = torch.nn.functional.silu(gate) * up
+            else:
+                gate = gate.clamp(max=spec.limit)
+                h = (up.clamp(-spec.limit, spec.limit) + 1) * gate * torch.sigmoid(
+                    spec.alpha * gate)
+            out[t] += wt * lin("down", h)
+    return out
+
+
+def _x_for(routes: str, w, spec: MoESpec, m: int = 9) -> torch.Tensor:
+    """Tokens whose picks leave experts 1 and 2 idle ("some idle"), or that all pick expert 0
+    ("one takes all"), found by drawing."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    gate = w["p.mlp.gate.weight"]
+    while len(rows) < m:
+        x = torch.randn(H, generator=g)
+        ids = torch.topk(x @ gate.t() + w.get("p.mlp.gate.bias", 0), spec.top_k).indices
+        if (routes == "one takes all" and 0 in ids) or \
+                (routes == "some idle" and not ({1, 2} & set(ids.tolist()))):
+            rows.append(x)
+    return torch.stack(rows)
+
+
+def _plan(isa: str, shapes) -> cpu_kernel_plan.KernelPlan:
+    n = len(cpu_kernel_plan.BANDS)
+    return cpu_kernel_plan.KernelPlan(isa, "test", 1, {cpu_kernel_plan.shape_name(*s): ["c"] * n
+                                                       for s in shapes}, ["c"] * n)
+
+
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request, monkeypatch):
+    if request.param not in cpu_kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot run {request.param}")
+    if cpu_kernels.library(request.param) is None or quant_kernels.library(request.param) is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_kernels, "active_isa", lambda: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("spec", [MoESpec(E, 2, "softmax_topk", True),
+                                  MoESpec(E, 2, "softmax_topk", False),
+                                  MoESpec(E, 2, "topk_softmax", True, "swiglu_clamped",
+                                          1.702, 1.5)], ids=["renorm", "plain", "gpt-oss"])
+@pytest.mark.parametrize("routes", ["some idle", "one takes all"])
+@pytest.mark.parametrize("weights", ["float32", "Q8_0", "Q4_0"])
+def test_experts_match_float64(isa, spec, routes, weights):
+    """Every C build, float32 panels and GGUF blocks: an expert no token picks, one every
+    token picks. Tolerances: float32 1e-4; blocks against the float64 math of the blocks'
+    own values, within the activations' 8-bit quantization (3e-2 of the output's scale)."""
+    import gguf
+    biases = spec.activation != "silu"
+    w = _weights(7, biases)
+    x = _x_for(routes, w, spec)
+    quant, dequant = None, None
+    if weights != "float32":
+        qtype = getattr(quant_kernels, weights)
+        quant, values = {}, {}
+        for name, t in w.items():
+            if name.endswith("proj.weight"):
+                blocks = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType(qtype))
+                quant[name] = QuantWeight(torch.from_numpy(blocks), qtype, tuple(t.shape))
+                values[name] = torch.from_numpy(gguf.quants.dequantize(
+                    blocks, gguf.GGMLQuantizationType(qtype)).reshape(t.shape))
+        dequant = values.__getitem__
+    plan = _plan(isa, [(H, 2 * I), (I, H)])
+    moe = FusedMoE(spec, w, "p", plan, quant=quant)
+    got = moe(x.contiguous())
+    want = _reference(spec, w, x, dequant)
+    counts = torch.bincount(moe.route(x)[1].view(-1), minlength=E).tolist()
+    assert (counts[1] == counts[2] == 0) if routes == "some idle" else counts[0] == len(x)
+    tol = 1e-4 if weights == "float32" else 3e-2 * float(want.abs().max())
+    assert torch.allclose(got.double(), want, atol=tol, rtol=0), float((got - want).abs().max())
+
+
+def test_router_variants_match_transformers():
+    """The routers as transformers computes them (Qwen3-MoE with and without norm_topk_prob,
+    Mixtral, gpt-oss): the same experts and weights, bit for bit in float32."""
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, H, generator=g)
+    cases = []
+    for norm in (True, False):
+        cfg = transformers.Qwen3MoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=2,
+                                          norm_topk_prob=norm)
+        cases.append((Qwen3MoeTopKRouter(cfg), MoESpec(E, 2, "softmax_topk", norm)))
+    cfg = transformers.MixtralConfig(hidden_size=H, num_local_experts=E, num_experts_per_tok=2)
+    cases.append((MixtralTopKRouter(cfg), MoESpec(E, 2, "softmax_topk", True)))
+    cfg = transformers.GptOssConfig(hidden_size=H, num_local_experts=E, num_experts_per_tok=2)
+    cases.append((GptOssTopKRouter(cfg), MoESpec(E, 2, "topk_softmax", True, "swiglu_clamped")))
+    for router, spec in cases:
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(E, H, generator=g))
+            w = {"p.mlp.gate.weight": router.weight.detach().clone()}
+            if getattr(router, "bias", None) is not None:
+                router.bias.copy_(torch.randn(E, generator=g))
+                w["p.mlp.gate.bias"] = router.bias.detach().clone()
+            for e in range(E):
+                for proj in ("gate", "up", "down"):
+                    w[expert_name("p", e, proj)] = torch.zeros(H if proj == "down" else I,
+                                                               I if proj == "down" else H)
+            _, want_w, want_ids = router(x)
+        got_w, got_ids = FusedMoE(spec, w, "p", None).route(x)
+        assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w.to(got_w.dtype))
+
+
+def test_moe_spec_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="routing"):
+        MoESpec(4, 2, "sigmoid_topk")
+    with pytest.raises(ValueError, match="experts per token"):
+        MoESpec(4, 5)
+    assert np.isclose(MoESpec(4, 2).alpha, 1.702)

@@ -1,0 +1,150 @@
+"""FusedMoE: a mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral, gpt-oss).
+
+A router picks top_k of E experts per token and weighs them; each expert is a gated MLP. The
+tokens of a step are grouped by expert (one stable sort of the T*top_k picks) and each active
+expert runs one GEMM pair over its tokens, on the same Linear / QuantLinear paths as a dense
+layer (float32 panels, bf16, GGUF blocks), so the load-time plan covers the expert shapes. An
+expert no token picked costs nothing.
+
+    picks  [[2, 0], [2, 1]]  (T=2, top_k=2)  -> sorted  e0: token 0   e1: token 1
+                                                         e2: tokens 0, 1
+    out[t] = sum over t's picks of weight * down_e(act(gate_up_e(x[t])))
+
+Routers (MoESpec.routing):
+    "softmax_topk"   p = softmax(logits) in float32, the top_k of p; with `renormalize` they
+                     are divided by their sum (Qwen3-MoE's norm_topk_prob, always in Mixtral)
+    "topk_softmax"   the top_k logits (router bias included), then softmax over them (gpt-oss)
+Activations (MoESpec.activation), over [gate | up]:
+    "silu"           silu(gate) * up
+    "swiglu_clamped" g = min(gate, limit), u = clamp(up, -limit, limit),
+                     (u + 1) * g * sigmoid(alpha * g)    (gpt-oss: alpha 1.702, limit 7)
+
+Canonical weight names (each family's prepare_weights renames its checkpoint to them), HF's
+[out, in] per expert, p = "model.layers.N.mlp":
+    p.gate.weight [E, H] (+ p.gate.bias [E])                              router
+    p.experts.e.{gate,up}_proj.weight [I, H], p.experts.e.down_proj.weight [H, I] (+ .bias)
+
+Tensor parallelism splits every expert's intermediate dimension (TPShards): each rank holds
+I/N of every expert's gate/up rows and down columns, computes the routing itself from the
+replicated router (the same input and weights on every rank, so the same picks), and returns
+its partial sum; the layer all-reduces it. A down bias is added on rank 0 only.
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.kernels.cpu_kernel_plan import KernelPlan
+from vllm.model_executor.layers.activation import act_mul
+from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.quant_linear import QuantWeight, block_linear, group
+from vllm.weight_arena import WeightArena
+
+ROUTINGS = ("softmax_topk", "topk_softmax")
+ACTIVATIONS = ("silu", "swiglu_clamped")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    routing: str = "softmax_topk"
+    renormalize: bool = True
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        if self.routing not in ROUTINGS or self.activation not in ACTIVATIONS:
+            raise ValueError(f"--model: MoE routing {self.routing!r} / activation "
+                             f"{self.activation!r}; supported: {ROUTINGS} / {ACTIVATIONS}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"--model: {self.top_k} experts per token of {self.num_experts}")
+
+
+def expert_name(p: str, e: int, proj: str) -> str:
+    """The canonical name of expert e's `proj` ("gate", "up", "down") weight in layer prefix p."""
+    return f"{p}.mlp.experts.{e}.{proj}_proj.weight"
+
+
+def expert_gemm_shapes(w: Dict[str, torch.Tensor], p: str) -> Dict[str, tuple]:
+    """(K, N) of an MoE layer's two expert GEMMs (this rank's): gate_up (H, 2I), down (I, H)."""
+    i, h = w[expert_name(p, 0, "gate")].shape
+    return {"gate_up": (h, 2 * i), "down": (i, h)}
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, spec: MoESpec, w: Dict[str, torch.Tensor], p: str,
+                 plan: Optional[KernelPlan], arena: Optional[WeightArena] = None,
+                 rank: int = 0, quant: Optional[Dict[str, QuantWeight]] = None,
+                 dense: Optional["FusedMoE"] = None):
+        """p: the layer's prefix ("model.layers.N"); dense: the float32 twin of a block built
+        with `quant`, whose expert GEMMs not kept in blocks are shared, not copied."""
+        super().__init__()
+        self.spec = spec
+        self.router = nn.Parameter(w[f"{p}.mlp.gate.weight"].float(), requires_grad=False)
+        bias = w.get(f"{p}.mlp.gate.bias")
+        self.router_bias = None if bias is None else nn.Parameter(bias.float(),
+                                                                  requires_grad=False)
+
+        def gemm(e: int, projs: List[str], name: str, with_bias: bool):
+            names = [expert_name(p, e, n) for n in projs]
+            b = None
+            if with_bias and names[0].removesuffix("weight") + "bias" in w:
+                b = torch.cat([w[n.removesuffix("weight") + "bias"] for n in names])
+            qw = group(quant, names)
+            if qw is not None:
+                return block_linear(qw, b, plan)
+            if dense is not None:
+                return getattr(dense, name)[e]
+            return Linear(torch.cat([w[n] for n in names]).t(), b, plan, arena)
+
+        experts = range(spec.num_experts)
+        self.gate_up = nn.ModuleList(gemm(e, ["gate", "up"], "gate_up", True) for e in experts)
+        self.down = nn.ModuleList(gemm(e, ["down"], "down", rank == 0) for e in experts)
+
+    def gemms(self) -> List[nn.Module]:
+        return list(self.gate_up) + list(self.down)
+
+    def route(self, x: torch.Tensor):
+        """x [T, H] -> (weights [T, top_k] in x's dtype, expert ids [T, top_k])."""
+        s = self.spec
+        logits = F.linear(x.float(), self.router, self.router_bias)
+        if s.routing == "topk_softmax":
+            top, ids = torch.topk(logits, s.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(x.dtype), ids
+        top, ids = torch.topk(torch.softmax(logits, dim=-1), s.top_k, dim=-1)
+        if s.renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(x.dtype), ids
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        if s.activation == "silu":
+            return act_mul(gate_up, "silu")
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=s.limit)
+        glu = gate * torch.sigmoid(gate * s.alpha)
+        return (up.clamp(-s.limit, s.limit) + 1) * glu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> this rank's sum over each token's experts [T, H]."""
+        weights, ids = self.route(x)
+        k = self.spec.top_k
+        flat = ids.view(-1)
+        order = torch.argsort(flat, stable=True)            # picks grouped by expert
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
+        tokens = order // k
+        picked = weights.view(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start:start + n]
+            y = self.down[e](self.activation(self.gate_up[e](x.index_select(0, rows))))
+            out.index_add_(0, rows, y * picked[start:start + n, None])
+            start += n
+        return out
