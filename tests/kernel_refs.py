@@ -67,8 +67,9 @@ def paged_scene(lens, kvh, d, seed, num_blocks=40, pad=-1, dtype=torch.float32):
     return kv, slots, torch.tensor(lens)
 
 
-def decode_reference(q, kv, slots, lens, scale):
-    """Per request, per head, float64: (out, per-key probability summed over heads)."""
+def decode_reference(q, kv, slots, lens, scale, sinks=None):
+    """Per request, per head, float64: (out, per-key probability summed over heads); sinks as
+    in attention_reference."""
     b, h, d = q.shape
     kvh = kv.shape[2]
     out = torch.zeros(b, h, d, dtype=torch.float64)
@@ -78,18 +79,32 @@ def decode_reference(q, kv, slots, lens, scale):
         for head in range(h):
             k = kv[view, 0, head // (h // kvh)].double()
             v = kv[view, 1, head // (h // kvh)].double()
-            p = torch.softmax(k @ q[i, head].double() * scale, dim=0)
+            s = k @ q[i, head].double() * scale
+            if sinks is not None:
+                s = torch.cat((s, sinks[head:head + 1].double()))
+            p = torch.softmax(s, dim=0)[:len(view)]
             out[i, head] = p @ v
             mass[i, :lens[i]] += p
     return out, mass
 
 
-def prefill_reference(q, k, v, mask, scale):
-    h, kvh = q.shape[0], k.shape[0]
+def attention_reference(q, k, v, mask, scale, sinks=None):
+    """float64 (out [H, Lq, D], probabilities [H, Lq, Lk]) of q [H, Lq, D] over k/v [KVH, Lk, D]
+    (GQA) where mask [Lq, Lk] is True. sinks [H] (gpt-oss, transformers' GptOss
+    eager_attention_forward): each head's logit joins its softmax as a key with no value,
+    p_j = exp(l_j) / (sum_i exp(l_i) + exp(s_h)), so a row of probabilities sums to < 1."""
+    h, kvh, lk = q.shape[0], k.shape[0], k.shape[1]
     k = k.repeat_interleave(h // kvh, 0).double()
     v = v.repeat_interleave(h // kvh, 0).double()
-    s = (q.double() @ k.transpose(1, 2)) * scale
-    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+    s = ((q.double() @ k.transpose(1, 2)) * scale).masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat((s, sinks.double().view(h, 1, 1).expand(h, s.shape[1], 1)), -1)
+    p = torch.softmax(s, -1)[..., :lk]
+    return p @ v, p
+
+
+def prefill_reference(q, k, v, mask, scale):
+    return attention_reference(q, k, v, mask, scale)[0]
 
 
 # ---- Triton kernels compiled for a CUDA target without a GPU (Triton ships ptxas) ---------------
@@ -136,23 +151,24 @@ def kernel_signature(fn, dtype: str, constexprs: dict):
     return sig, attrs
 
 
-def decode_kernel_specs(dtype: str, d: int, g: int) -> dict:
+def decode_kernel_specs(dtype: str, d: int, g: int, sinks: bool = False) -> dict:
     """{name: (fn, constexprs, options)}: every decode-path kernel with the block sizes, warps
     and pipelining decode_attention picks for head_dim d, g query heads per KV head and this
-    dtype."""
+    dtype; sinks: as a layer with attention sinks launches them."""
     from vllm.kernels import triton_decode as td
     q, kv = torch_dtypes(dtype)
     cfg = td._config(g, d, kv, q)
     tile = dict(G=g, D=d, BLOCK_G=cfg.block_g, BLOCK_D=cfg.block_d)
     attention = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return {
-        "decode": (td._decode_kernel, {**tile, "BLOCK_N": cfg.block_n, "WANT_STATS": False},
-                   attention),
-        "decode_stats": (td._decode_kernel, {**tile, "BLOCK_N": cfg.block_n, "WANT_STATS": True},
-                         attention),
+        "decode": (td._decode_kernel, {**tile, "BLOCK_N": cfg.block_n, "WANT_STATS": False,
+                                       "HAS_SINKS": sinks}, attention),
+        "decode_stats": (td._decode_kernel, {**tile, "BLOCK_N": cfg.block_n, "WANT_STATS": True,
+                                             "HAS_SINKS": sinks}, attention),
         "split": (td._split_kernel, {**tile, "BLOCK_N": cfg.block_n}, attention),
         "reduce": (td._reduce_kernel, dict(D=d, BLOCK_S=td.REDUCE_CHUNK, BLOCK_D=cfg.block_d,
-                                           WANT_STATS=True), dict(num_warps=cfg.num_warps)),
+                                           WANT_STATS=True, HAS_SINKS=sinks),
+                   dict(num_warps=cfg.num_warps)),
         "mass": (td._mass_kernel, {**tile, "BLOCK_N": cfg.mass_block_n}, attention),
     }
 

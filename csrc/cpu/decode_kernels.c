@@ -591,14 +591,17 @@ static inline vec vmax(vec a, vec b) {
 static inline int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 
 /* In place: p[0:n] = softmax(p[0:n]); entries that are -inf become exactly 0; all -inf -> 0.
+   sink: a learned logit with no value (gpt-oss), one more term of the max and the denominator,
+   so the n probabilities sum to less than one; -INFINITY: none.
    p has room for round16(n) floats: the tail is padded with -inf and processed as vectors. */
-static void softmax(float *p, int64_t n) {
+static void softmax(float *p, int64_t n, float sink) {
   const int64_t n16 = round16(n);
   for (int64_t j = n; j < n16; j++) p[j] = -INFINITY;
   vec mv = splat(-INFINITY);
   for (int64_t j = 0; j < n16; j += VEC) mv = vmax(mv, load(p + j));
   float m = -INFINITY;
   for (int i = 0; i < VEC; i++) m = mv[i] > m ? mv[i] : m;
+  m = sink > m ? sink : m;
   if (m == -INFINITY) { memset(p, 0, n * sizeof(float)); return; }
   vec total = splat(0.f);
   for (int64_t j = 0; j < n16; j += VEC) {
@@ -606,7 +609,9 @@ static void softmax(float *p, int64_t n) {
     total += e;
     store(p + j, e);
   }
-  vec inv = splat(1.f / hsum(total));
+  float sum = hsum(total);
+  if (sink != -INFINITY) sum += expf(sink - m);
+  vec inv = splat(1.f / sum);
   for (int64_t j = 0; j < n16; j += VEC) store(p + j, load(p + j) * inv);
 }
 
@@ -669,11 +674,12 @@ static inline __attribute__((always_inline)) void weigh_values(
    Scores and probabilities go to probs[g * lmax + j]; D % 16 == 0. fp8 / bf16 (fmt): keys are
    widened in registers once per SCORE_HEADS query heads (KEYS_IN_PLACE), or, in the generic
    build, a block's VEC keys once into kbuf (L1) that all G query heads read; values are widened
-   in registers as they are weighed, and a key's K and V lines are prefetched together. */
+   in registers as they are weighed, and a key's K and V lines are prefetched together.
+   sinks: the G heads' sink logits, or NULL. */
 static inline __attribute__((always_inline)) void attend_group(
     const float *q, const char *kv, const int64_t *slot_row, int64_t n, int64_t KVH, int64_t kh,
     int64_t G, int64_t D, float scale, float *probs, int64_t lmax, float *out, const int fmt,
-    float v_scale) {
+    float v_scale, const float *sinks) {
   const int64_t row = 2 * KVH * D;                          /* values per slot (K and V) */
   const int64_t es = KV_BYTES(fmt);
   float kbuf[KEYS_IN_PLACE(fmt) ? 1 : VEC * D];
@@ -714,7 +720,7 @@ static inline __attribute__((always_inline)) void attend_group(
   for (int64_t j = 0; j < n; j++)
     if (slot_row[j] < 0)
       for (int64_t g = 0; g < G; g++) probs[g * lmax + j] = -INFINITY;
-  for (int64_t g = 0; g < G; g++) softmax(probs + g * lmax, n);
+  for (int64_t g = 0; g < G; g++) softmax(probs + g * lmax, n, sinks ? sinks[g] : -INFINITY);
 
   /* out[g] = sum_j p[g][j] * v_j, AV_HEADS heads x AV_VECS vectors of dims at a time. fp8
      widens a V vector once per pass that reads it: where G fits in twice AV_HEADS, each pass
@@ -754,14 +760,15 @@ static inline __attribute__((always_inline)) void attend_group(
    probs: scratch [B, H, round16(lmax)] with lmax >= every lens[b]; out [B, H, D];
    mass [B, ld_mass] or NULL: += each key's attention probability summed over all H heads.
    fmt: the cache's format (KV_F32, KV_E4M3, KV_E5M2, KV_BF16); k_scale, v_scale: its scales
-   (fp8; 1 otherwise).
+   (fp8; 1 otherwise). sinks [H] or NULL: each query head's sink logit (softmax above); probs
+   and mass are then the real keys' probabilities, which sum to less than one.
    The format is picked inside the parallel loop: OpenMP outlines a parallel region's body before
    inlining, so a format passed into the region stays a run-time value in there. */
 void vtok_decode_attention(const float *q, const void *kv, const int64_t *slots,
                            int64_t ld_slots, const int64_t *lens, int64_t B, int64_t H,
                            int64_t KVH, int64_t D, float scale, float *probs, int64_t lmax,
                            float *out, float *mass, int64_t ld_mass, int fmt, float k_scale,
-                           float v_scale) {
+                           float v_scale, const float *sinks) {
   const int64_t G = H / KVH;
   lmax = round16(lmax);
   const float ks = fmt == KV_F32 ? scale : scale * k_scale * FP8_UNIT(fmt);
@@ -771,18 +778,19 @@ void vtok_decode_attention(const float *q, const void *kv, const int64_t *slots,
     for (int64_t kh = 0; kh < KVH; kh++) {
       const float *qg = q + (b * H + kh * G) * D;
       float *pg = probs + (b * KVH + kh) * G * lmax, *og = out + (b * H + kh * G) * D;
+      const float *sg = sinks ? sinks + kh * G : NULL;
       if (fmt == KV_E4M3)
         attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
-                     KV_E4M3, vs);
+                     KV_E4M3, vs, sg);
       else if (fmt == KV_E5M2)
         attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
-                     KV_E5M2, vs);
+                     KV_E5M2, vs, sg);
       else if (fmt == KV_BF16)
         attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
-                     KV_BF16, vs);
+                     KV_BF16, vs, sg);
       else
         attend_group(qg, kv, slots + b * ld_slots, lens[b], KVH, kh, G, D, ks, pg, lmax, og,
-                     KV_F32, vs);
+                     KV_F32, vs, sg);
     }
   if (!mass) return;
 #pragma omp parallel for schedule(static)
@@ -1011,8 +1019,9 @@ int64_t vtok_decode_layer_scratch(const vtok_layer *L, int64_t M, int64_t lmax) 
 }
 
 /* x [M, hidden] <- the layer applied to x (residual stream, in place); this step's K/V written
-   at slot_mapping; attention over views/lens as vtok_decode_attention (mass may be NULL); the
-   cache in format fmt with scales k_scale, v_scale. 0, or -1 where a block GEMM failed. */
+   at slot_mapping; attention over views/lens as vtok_decode_attention (mass may be NULL; no
+   sinks: a layer with sinks runs op by op); the cache in format fmt with scales k_scale,
+   v_scale. 0, or -1 where a block GEMM failed. */
 int vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos,
                        const float *sin, const int64_t *slot_mapping, void *kv,
                        const int64_t *views, int64_t ld_views, const int64_t *lens, int64_t lmax,
@@ -1032,7 +1041,7 @@ int vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos
   vtok_rope_write_kv(qkv, M, H, KVH, D, cos, sin, slot_mapping, kv, q, fmt, k_scale, v_scale,
                      SPREADS(fmt));
   vtok_decode_attention(q, kv, views, ld_views, lens, M, H, KVH, D, L->scale, probs, lmax, attn,
-                        mass, ld_mass, fmt, k_scale, v_scale);
+                        mass, ld_mass, fmt, k_scale, v_scale, NULL);
   if (L->post_attn) {     /* x += norm(o(attn)); h = pre_ffn(x) */
     if (layer_gemm(L, attn, M, HD, L->o, L->o_q, E, L->o_bias, NULL, h, prefetch)) return -1;
     add_rms_norm(h, M, E, L->post_attn, L->eps, x);

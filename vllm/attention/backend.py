@@ -6,7 +6,8 @@ Prefill on CUDA runs the step's spans as one batched call (AttentionMetadata.pre
 xformers' block-diagonal causal bias for spans without an explicit mask when xformers is
 installed; spans with a mask (continued chunks, evicted keys), or every span without xformers,
 in one padded SDPA call. On CPU spans run one by one (the tuned path; prefill_path="batched"
-runs the batched one, for tests).
+runs the batched one, for tests). A layer with attention sinks (gpt-oss) passes them to every
+path; its batched prefill is the one padded SDPA call (prefill_batches_torch).
 
 Statistics never change the arithmetic of attention: a span that collects column sums (or a
 decode step that collects mass) gets its output from the very call it would get without them,
@@ -140,16 +141,17 @@ class AttentionMetadata:
         """The spans as at most two batched calls, built on first use (all layers share them):
         xformers takes the plain-causal spans, padded SDPA the rest."""
         spans = self.prefills
-        if not spans:
-            return []
-        which = ops.prefill_backend(spans[0].kv_slots.device)
-        groups = {"torch": spans}
-        if which == "xformers":
-            groups = {"xformers": [s for s in spans if s.mask is None],
-                      "torch": [s for s in spans if s.mask is not None]}
-        return [ops.prefill_batch([(s.q_start, s.q_end) for s in g], [s.kv_slots for s in g],
-                                  [s.mask for s in g], backend)
-                for backend, g in groups.items() if g]
+        if not spans or ops.prefill_backend(spans[0].kv_slots.device) != "xformers":
+            return self.prefill_batches_torch
+        groups = {"xformers": [s for s in spans if s.mask is None],
+                  "torch": [s for s in spans if s.mask is not None]}
+        return [_batch(g, backend) for backend, g in groups.items() if g]
+
+    @functools.cached_property
+    def prefill_batches_torch(self) -> List[ops.PrefillBatch]:
+        """Every span in one padded SDPA call: what layers with sinks read (xformers' packed
+        batch has no sink key)."""
+        return [_batch(self.prefills, "torch")] if self.prefills else []
 
     @property
     def decode_slots(self) -> torch.Tensor:          # [B, Lmax], padding read as slot 0
@@ -160,20 +162,30 @@ class AttentionMetadata:
         return self.decode_torch_view[1]
 
 
+def _batch(spans: List[PrefillSpan], backend: str) -> ops.PrefillBatch:
+    return ops.prefill_batch([(s.q_start, s.q_end) for s in spans], [s.kv_slots for s in spans],
+                             [s.mask for s in spans], backend)
+
+
 write_kv = ops.write_kv      # the model's cache write, beside the attention that reads it
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, decode_path: Optional[str] = None,
-                    prefill_path: Optional[str] = None) -> torch.Tensor:
+                    prefill_path: Optional[str] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [T, H, D] for this step's tokens -> [T, H, D]; their K/V are already in the cache at
     meta.slot_mapping (write_kv, or the C rotary kernel that writes them). decode_path "torch"
     keeps decode rows off the C kernel (a model's KernelPlan where torch is faster).
-    prefill_path "span" or "batched"; default batched on CUDA, span by span on CPU."""
+    prefill_path "span" or "batched"; default batched on CUDA, span by span on CPU.
+    sinks: float32 [H] on q's device, this rank's query heads' learned sink logits (gpt-oss:
+    one more softmax term with no value; ops' module docstring), or None."""
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.shape == q.shape[1:2]
+                             and sinks.device == q.device), "sinks: float32 [H] on q's device"
     out = torch.empty_like(q)
     b = meta.num_decodes
     if b:
-        out[:b] = _decode(q[:b], kv_cache, meta, scale, decode_path)
+        out[:b] = _decode(q[:b], kv_cache, meta, scale, decode_path, sinks)
     batched = (prefill_path or ("batched" if q.is_cuda else "span")) == "batched"
     for span in meta.prefills:
         if batched and span.colsum is None:
@@ -181,36 +193,41 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         kv = kv_quant.gather(kv_cache, span.kv_slots, q.dtype)   # [Lk, 2, KVH, D] (fp8: widened)
         qs = q[span.q_start:span.q_end]
         if not batched:
-            out[span.q_start:span.q_end] = _prefill(qs, kv, span.mask, scale)
+            out[span.q_start:span.q_end] = _prefill(qs, kv, span.mask, scale, sinks)
         if span.colsum is not None:
-            _add_colsum(qs, kv, span, scale)
+            _add_colsum(qs, kv, span, scale, sinks)
     if batched:
-        for batch in meta.prefill_batches:
+        for batch in meta.prefill_batches if sinks is None else meta.prefill_batches_torch:
             kv = kv_quant.gather(kv_cache, batch.kv_slots, q.dtype)     # every span's K/V, one gather
-            out.index_copy_(0, batch.q_rows, ops.prefill_attention_batched(q, kv, batch, scale))
+            out.index_copy_(0, batch.q_rows,
+                            ops.prefill_attention_batched(q, kv, batch, scale, sinks))
     return out
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float, path: Optional[str] = None) -> torch.Tensor:
+            scale: float, path: Optional[str] = None,
+            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     which = "torch" if path == "torch" else ops.decode_backend(q)
     view = meta.decode_torch_view if which == "torch" else None
     return ops.decode_attention(q, kv_cache, meta.decode_views, meta.decode_lens, scale,
-                                meta.decode_mass, backend=which, torch_view=view)
+                                meta.decode_mass, backend=which, torch_view=view, sinks=sinks)
 
 
 def _prefill(q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor],
-             scale: float) -> torch.Tensor:
+             scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [q, H, D] against a span's gathered kv [Lk, 2, KVH, D] -> [q, H, D]."""
     k = kv[:, 0].transpose(0, 1)                     # [KVH, Lk, D]
     v = kv[:, 1].transpose(0, 1)
-    return ops.prefill_attention(q.transpose(0, 1), k, v, mask, scale).transpose(0, 1)
+    return ops.prefill_attention(q.transpose(0, 1), k, v, mask, scale,
+                                 sinks=sinks).transpose(0, 1)
 
 
-def _add_colsum(q: torch.Tensor, kv: torch.Tensor, span: PrefillSpan, scale: float) -> None:
+def _add_colsum(q: torch.Tensor, kv: torch.Tensor, span: PrefillSpan, scale: float,
+                sinks: Optional[torch.Tensor] = None) -> None:
     """span.colsum += the attention probabilities of its queries from span.colsum_from on,
     summed over queries and heads: tiled over queries, O(tile * Lk) memory per head, never the
-    full Lq x Lk matrix. Beside the attention call, never instead of it."""
+    full Lq x Lk matrix. Beside the attention call, never instead of it. With sinks they are
+    the real keys' probabilities (the sink in each denominator): a query's row sums to < 1."""
     lq, h, d = q.shape
     lk, kvh = kv.shape[0], kv.shape[2]
     first = min(span.colsum_from, lq)
@@ -219,8 +236,9 @@ def _add_colsum(q: torch.Tensor, kv: torch.Tensor, span: PrefillSpan, scale: flo
     mask = span.mask
     if mask is None:   # plain causal: query i sees keys 0..i + (Lk - Lq)
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    sink = None if sinks is None else sinks.view(kvh, h // kvh, 1, 1)
     for s in range(0, lq - first, QUERY_TILE):
         e = min(s + QUERY_TILE, lq - first)
         scores = torch.matmul(qg[:, :, s:e].float(), kt.float()) * scale
         scores.masked_fill_(~mask[first + s:first + e], float("-inf"))
-        span.colsum += torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+        span.colsum += ops.sink_softmax(scores, sink).sum(dim=(0, 1, 2))

@@ -151,7 +151,8 @@ def library(isa: str, source: Optional[Path] = None) -> Optional[ctypes.CDLL]:
     lib.vtok_packed_gemm_bf16.argtypes = lib.vtok_packed_gemm.argtypes
     lib.vtok_packed_gemm_bf16.restype = None
     lib.vtok_decode_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                          _f32, _ptr, _i64, _ptr, _ptr, _i64, _int, _f32, _f32]
+                                          _f32, _ptr, _i64, _ptr, _ptr, _i64, _int, _f32, _f32,
+                                          _ptr]
     lib.vtok_decode_attention.restype = None
     lib.vtok_fp8_to_float.argtypes = [_ptr, _i64, _int, _ptr]
     lib.vtok_fp8_to_float.restype = None
@@ -239,11 +240,13 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int,
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                      lens: torch.Tensor, scale: float,
-                     mass: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     mass: Optional[torch.Tensor] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, D], kv_cache [S, 2, KVH, D], slots int64 [B, W] (the first lens[b] <= W of row b
     are its view; negative = padding) -> [B, H, D]. mass float32 [B, >= Lmax], if given,
     += each key's attention probability summed over the H heads. kv_cache float32, or fp8
-    (e4m3fn / e5m2) read with its layer's scales (kv_quant.layer_scales)."""
+    (e4m3fn / e5m2) read with its layer's scales (kv_quant.layer_scales). sinks float32 [H],
+    if given: each head's sink logit, one more term of its softmax denominator."""
     b, h, d = q.shape
     kvh = kv_cache.shape[2]
     q = q.contiguous()
@@ -257,11 +260,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
     out = torch.empty(b, h, d, dtype=torch.float32)
     if mass is not None:
         assert mass.dtype == torch.float32 and mass.stride(1) == 1
+    if sinks is not None:
+        sinks = sinks.contiguous()
+        assert sinks.dtype == torch.float32 and sinks.shape == (h,) and not sinks.is_cuda
     _library().vtok_decode_attention(
         q.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), slots.stride(0), lens.data_ptr(),
         b, h, kvh, d, scale, probs.data_ptr(), lmax, out.data_ptr(),
         None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
-        fmt, k_scale, v_scale)
+        fmt, k_scale, v_scale, None if sinks is None else sinks.data_ptr())
     return out
 
 

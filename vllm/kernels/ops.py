@@ -21,6 +21,13 @@ quantizes and the Triton decode kernels dequantize in registers, both reading th
 scales from device memory; the torch paths (prefill on either device, the decode fallback)
 dequantize what they gather (kv_quant.gather) with the same device scales.
 
+Attention sinks (gpt-oss): every attention op takes sinks, float32 [H] or None, one learned
+logit per query head that joins each softmax's denominator as a key without a value (so the real
+keys' probabilities, and mass / colsum built from them, sum to less than one). The C and Triton
+decode kernels fold it into their softmax; the torch paths attend to one more key, K = V = 0,
+whose additive bias is the head's sink (`_sdpa_with_sinks`); xformers has no such key, so
+prefill with sinks takes torch SDPA on CUDA too.
+
 The attention layer (vllm/attention/backend.py) reaches every kernel through these functions.
 
 `backend=` (per call) or the VLLM_KERNEL_BACKEND environment variable ("cuda", "triton", "cpu",
@@ -229,29 +236,30 @@ def torch_decode_view(slots: torch.Tensor, lens: Optional[torch.Tensor] = None
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                      lens: torch.Tensor, scale: float, mass: Optional[torch.Tensor] = None,
                      backend: Optional[str] = None,
-                     torch_view: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                     ) -> torch.Tensor:
+                     torch_view: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, D], kv_cache [S, 2, KVH, D], slots [B, Lmax] (first lens[b] valid, padding -1)
     -> [B, H, D].
 
     mass (float32 [B, Lmax]), if given, += each key's attention probability summed over heads.
     torch_view: torch_decode_view(slots), when the caller keeps it for all layers of a step.
+    sinks: float32 [H] sink logits (module docstring), or None.
     A row without keys (lens 0, CUDA-graph padding) gives zeros on Triton and the C kernel,
     NaN on torch; either way nobody reads it.
     """
     which = backend or decode_backend(q)
     if which == "cpu":
         from vllm.kernels import cpu_kernels
-        return cpu_kernels.decode_attention(q, kv_cache, slots, lens, scale, mass)
+        return cpu_kernels.decode_attention(q, kv_cache, slots, lens, scale, mass, sinks)
     if _pick(which, q.is_cuda, ("triton", "torch")) == "triton":
         from vllm.kernels.triton_decode import decode_attention as triton_decode
         # the kernel writes out with q's strides; q is a strided view of the QKV projection
-        return triton_decode(q.contiguous(), kv_cache, slots, lens, scale, mass)
+        return triton_decode(q.contiguous(), kv_cache, slots, lens, scale, mass, sinks=sinks)
     gather, bias = torch_view if torch_view is not None else torch_decode_view(slots, lens)
-    return _decode_torch(q, kv_cache, gather, bias, scale, mass)
+    return _decode_torch(q, kv_cache, gather, bias, scale, mass, sinks)
 
 
-def _decode_torch(q, kv_cache, gather, bias, scale, mass):
+def _decode_torch(q, kv_cache, gather, bias, scale, mass, sinks=None):
     b, h, d = q.shape
     width = gather.shape[1]
     # index_select on the flat view is ~2x faster than advanced indexing on CPU
@@ -259,14 +267,50 @@ def _decode_torch(q, kv_cache, gather, bias, scale, mass):
     kv = kv.view(b, width, 2, kv_cache.shape[2], d)              # [B, L, 2, KVH, D]
     k = kv[:, :, 0].transpose(1, 2)                              # [B, KVH, L, D]
     v = kv[:, :, 1].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=bias, scale=scale,
-                                         enable_gqa=True)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=bias, scale=scale,
+                                             enable_gqa=True)
+    else:
+        out = _sdpa_with_sinks(q.unsqueeze(2), k, v, bias, scale, sinks)
     if mass is not None:        # beside the attention call, never instead of it
         kvh = k.shape[1]
         qg = q.view(b, kvh, h // kvh, d)             # query heads grouped by their KV head
         scores = torch.matmul(qg.float(), k.float().transpose(2, 3)) * scale + bias
-        mass[:, :width] += torch.softmax(scores, dim=-1).sum(dim=(1, 2), dtype=torch.float32)
+        probs = sink_softmax(scores, None if sinks is None else sinks.view(kvh, -1, 1))
+        mass[:, :width] += probs.sum(dim=(1, 2), dtype=torch.float32)
     return out.view(b, h, d)
+
+
+def sink_softmax(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """softmax over the last dim with exp(sink) one more term of each denominator: the real
+    keys' probabilities. sinks broadcasts to scores[..., :1] (None: a plain softmax)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    col = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, col), dim=-1), dim=-1)[..., :-1]
+
+
+SINK_QUERY_TILE = 256     # prefill queries per SDPA call when the layer has sinks
+
+
+def _sdpa_with_sinks(q, k, v, mask, scale, sinks):
+    """q [N, H, Lq, D], k/v [N, KVH, Lk, D], mask broadcasting to [N, 1, Lq, Lk] (bool, True =
+    attend; or additive) -> [N, H, Lq, D]. The sinks are one more key: K = V = 0 (score 0,
+    nothing added to the output) with an additive bias of sinks[h] for query head h, so each
+    softmax gains exactly exp(s_h). The bias is per head, [N, H, Lq, Lk + 1] in q's dtype, its
+    rows padded to 16 in storage (the alignment CUDA's memory-efficient kernel wants)."""
+    n, h, lq, _ = q.shape
+    lk = k.shape[2]
+    bias = torch.zeros(n, h, lq, -(-(lk + 1) // 16) * 16, dtype=q.dtype,
+                       device=q.device)[..., :lk + 1]
+    if mask.dtype == torch.bool:
+        bias[..., :lk].masked_fill_(~mask, float("-inf"))
+    else:
+        bias[..., :lk] = mask
+    bias[..., lk] = sinks.to(q.dtype).view(h, 1)
+    k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+
 
 
 # ---- greedy sampling ----------------------------------------------------------------------------
@@ -281,17 +325,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 # ---- prefill attention --------------------------------------------------------------------------
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: Optional[torch.Tensor], scale: float,
-                      backend: Optional[str] = None) -> torch.Tensor:
+                      backend: Optional[str] = None,
+                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [H, Lq, D], k/v [KVH, Lk, D] -> [H, Lq, D].
 
     mask [Lq, Lk] bool (True = attend); None = causal with the queries as the last Lq keys
-    (query i sees keys 0 .. i + Lk - Lq).
+    (query i sees keys 0 .. i + Lk - Lq). sinks: float32 [H] sink logits, or None.
     """
-    if _pick(backend, q.is_cuda, ("xformers", "torch")) == "xformers":
+    if _pick(backend, q.is_cuda, ("xformers", "torch")) == "xformers" and sinks is None:
         return _prefill_xformers(q, k, v, mask, scale)
     lq, lk = q.shape[1], k.shape[1]
-    if mask is None and lq != lk:          # SDPA's is_causal is top-left aligned
+    if mask is None and (lq != lk or sinks is not None):   # SDPA's is_causal is top-left aligned
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if sinks is not None:
+        # query tiles: the sink's bias is per head, [H, tile, Lk + 1], never [H, Lq, Lk + 1]
+        return torch.cat([_sdpa_with_sinks(q[None, :, s:s + SINK_QUERY_TILE], k[None], v[None],
+                                           mask[s:s + SINK_QUERY_TILE], scale, sinks)[0]
+                          for s in range(0, lq, SINK_QUERY_TILE)], dim=1)
     # a batch dimension: the fused SDPA kernels (CUDA's, and the CPU flash kernel) take 4-d
     # inputs only; 3-d ones run the math kernel, ~2x slower on CPU (16 x 128-token prompts of
     # the default model: 6.7 -> 3.4 ms a layer)
@@ -393,18 +443,21 @@ def prefill_batch(bounds: Sequence[Tuple[int, int]], slots: Sequence[torch.Tenso
 
 
 def prefill_attention_batched(q: torch.Tensor, kv: torch.Tensor, batch: PrefillBatch,
-                              scale: float) -> torch.Tensor:
+                              scale: float, sinks: Optional[torch.Tensor] = None
+                              ) -> torch.Tensor:
     """q [T, H, D] the step's queries, kv [len(batch.kv_slots), 2, KVH, D] gathered at
-    batch.kv_slots -> [Tq, H, D] for the rows batch.q_rows, in that order."""
+    batch.kv_slots -> [Tq, H, D] for the rows batch.q_rows, in that order. sinks (float32 [H]
+    sink logits) only on a torch batch: xformers' packed batch has no sink key."""
     h, d = q.shape[1:]
     if batch.backend == "xformers":
+        assert sinks is None, "sinks: build the batch with backend 'torch'"
         return _prefill_varlen_xformers(q.index_select(0, batch.q_rows), kv, batch.bias, scale)
     n, max_q, _ = batch.shape
-    out = _prefill_padded(q, kv, batch, scale)                   # [N, H, max_q, D]
+    out = _prefill_padded(q, kv, batch, scale, sinks=sinks)      # [N, H, max_q, D]
     return out.transpose(1, 2).reshape(n * max_q, h, d).index_select(0, batch.unpad)
 
 
-def _prefill_padded(q, kv, batch, scale, expand_kv: Optional[bool] = None):
+def _prefill_padded(q, kv, batch, scale, expand_kv: Optional[bool] = None, sinks=None):
     """-> [N, H, max_q, D]. expand_kv (default: on CUDA) repeats K/V per query head and passes
     the mask as an additive bias: with enable_gqa and a mask, CUDA's SDPA has no fused kernel
     and falls back to the math one (the whole score matrix in memory)."""
@@ -414,11 +467,15 @@ def _prefill_padded(q, kv, batch, scale, expand_kv: Optional[bool] = None):
     qp = q.index_select(0, batch.pad).view(n, max_q, h, d).transpose(1, 2)
     kv = kv.view(n, max_k, 2, kvh, d)
     k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)   # [N, KVH, max_k, D]
-    if not (q.is_cuda if expand_kv is None else expand_kv):
+    expand = q.is_cuda if expand_kv is None else expand_kv
+    if expand:
+        k, v = (t[:, :, None].expand(n, kvh, h // kvh, max_k, d).reshape(n, h, max_k, d)
+                for t in (k, v))
+    if sinks is not None:
+        return _sdpa_with_sinks(qp, k, v, batch.bias, scale, sinks)
+    if not expand:
         return F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.bias, scale=scale,
                                               enable_gqa=True)
-    k, v = (t[:, :, None].expand(n, kvh, h // kvh, max_k, d).reshape(n, h, max_k, d)
-            for t in (k, v))
     return F.scaled_dot_product_attention(qp, k, v, attn_mask=_additive(batch, q.dtype),
                                           scale=scale)
 

@@ -8,6 +8,8 @@ Each attention program serves one KV head kh of request b and its G = H / KVH qu
     kv_cache [S, 2, KVH, D]              K = kv_cache[slot, 0, kh], V = kv_cache[slot, 1, kh]
     mass     [B, >= Lmax] optional: += attention probability of each key summed over all heads
     kv_scale fp8 caches: the layer's float32 (k, v, 1/k, 1/v) in device memory (kv_quant.scale_row)
+    sinks    [H] float32 optional: each query head's learned sink logit (gpt-oss), a key with no
+             value: one more term of the softmax's max and sum (HAS_SINKS)
 
 Dot products: bf16/fp16 caches run both dots (q K^T and p V) on tensor cores (mma) with fp32
 accumulation, p cast to the cache dtype; an fp32 cache keeps exact fp32 FMA dots
@@ -29,7 +31,9 @@ spills at head_dim 64/128 and 1/4/8 query heads per KV head, bf16 or fp32, over 
 dtype or fp8 (tests/test_triton_sm90.py compiles them for sm_90 as the JIT specializes them,
 and checks).
 
-One split (grid (B, KVH), `_decode_kernel`): an online softmax over the row's keys.
+One split (grid (B, KVH), `_decode_kernel`): an online softmax over the row's keys, started
+from the sink (m = s_h, l = exp(s_h - m) = 1, acc = 0) where there is one, else from no key yet
+(m = -inf, l = 0).
 
 Split-K (flash decoding; grid (B, KVH, splits)) for long views and small batches, where (B, KVH)
 alone would leave most SMs idle. Split i of row b covers max(ceil(tiles_b / splits), min_tiles)
@@ -43,9 +47,12 @@ whole BLOCK_N tiles of b's own length (min_tiles: MIN_TILES, or 1 when num_split
                        ml [B, H, splits, 2], acc [B, H, splits, D] (H = KVH x G, kh-major)
   2. `_reduce_kernel`  per (b, h): rescale splits to the global max, out = sum acc / sum l,
                        over the splits in chunks of REDUCE_CHUNK (registers do not grow with
-                       the split count); with mass also each head's global (m, l) -> stats
+                       the split count); with mass also each head's global (m, l) -> stats.
+                       The sink joins here, once, as one more term of the max and the sum
+                       (the splits' partials never include it)
 
-With mass, the attention kernels also leave each head's (m, l) in stats [B, H, 2], then
+With mass, the attention kernels also leave each head's (m, l) in stats [B, H, 2] (the sink
+counted in both: the mass is the real keys' probabilities, a row's sum < 1), then
 
   3. `_mass_kernel`    grid (B, mass splits): K only, p = exp(s - m) / l summed over every head
                        of every KV head, added to mass[b, key] for keys < lens[b] only: the
@@ -145,11 +152,13 @@ def _scores(q, kv_ptr, slots_row, n0, n_keys, kh, scale, stride_slot, stride_hea
 
 @triton.jit
 def _softmax_pass(q, kv_ptr, slots_row, start, end, kh, scale, stride_slot, stride_kv,
-                  stride_head, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """Online softmax over keys [start, end): max m, sum l (relative to m), unnormalized acc."""
-    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_G,), tl.float32)
+                  stride_head, m0, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Online softmax over keys [start, end): max m, sum l (relative to m), unnormalized acc.
+    m0 [BLOCK_G]: where each head starts, a sink logit (a key with no value: it counts
+    exp(m0 - m0) = 1 in the sum) or -inf (no key yet: the sum starts at 0)."""
+    m = m0
+    l = tl.where(m0 == float("-inf"), 0.0, 1.0)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     for n0 in range(start, end, BLOCK_N):
         s, rows, mask, n = _scores(q, kv_ptr, slots_row, n0, end, kh, scale, stride_slot,
@@ -175,24 +184,29 @@ def _split_range(n_keys, split, num_splits, min_tiles, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kv_ptr, kv_scale_ptr, slots_ptr, lens_ptr, out_ptr, stats_ptr, scale,
-                   stride_qb, stride_qh, stride_sb, stride_slot, stride_kv, stride_head,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WANT_STATS: tl.constexpr):
+def _decode_kernel(q_ptr, kv_ptr, kv_scale_ptr, slots_ptr, lens_ptr, out_ptr, stats_ptr,
+                   sinks_ptr, scale, stride_qb, stride_qh, stride_sb, stride_slot, stride_kv,
+                   stride_head, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WANT_STATS: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     n_keys = tl.load(lens_ptr + b).to(tl.int32)
     scale, v_scale = _fp8_scales(kv_ptr, kv_scale_ptr, scale)
     q, q_off, q_mask = _load_q(q_ptr, kv_ptr, b, kh, stride_qb, stride_qh, G, D, BLOCK_G,
                                BLOCK_D)
+    g = tl.arange(0, BLOCK_G)
+    m0 = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    if HAS_SINKS:
+        m0 = tl.load(sinks_ptr + kh * G + g, mask=g < G, other=float("-inf"))
     m, l, acc = _softmax_pass(q, kv_ptr, slots_ptr + b * stride_sb, 0, n_keys, kh, scale,
-                              stride_slot, stride_kv, stride_head, D, BLOCK_G, BLOCK_N, BLOCK_D)
+                              stride_slot, stride_kv, stride_head, m0, D, BLOCK_G, BLOCK_N,
+                              BLOCK_D)
     m = tl.where(m == float("-inf"), 0.0, m)          # a row without keys: zeros, not NaN
     l = tl.where(l > 0, l, 1.0)
     out = acc * (v_scale / l)[:, None]
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     if WANT_STATS:
-        g = tl.arange(0, BLOCK_G)
         head = (b * tl.num_programs(1) + kh) * G + g
         tl.store(stats_ptr + head * 2, m, mask=g < G)
         tl.store(stats_ptr + head * 2 + 1, l, mask=g < G)
@@ -213,7 +227,9 @@ def _split_kernel(q_ptr, kv_ptr, kv_scale_ptr, slots_ptr, lens_ptr, ml_ptr, acc_
     q, q_off, q_mask = _load_q(q_ptr, kv_ptr, b, kh, stride_qb, stride_qh, G, D, BLOCK_G,
                                BLOCK_D)
     m, l, acc = _softmax_pass(q, kv_ptr, slots_ptr + b * stride_sb, start, end, kh, scale,
-                              stride_slot, stride_kv, stride_head, D, BLOCK_G, BLOCK_N, BLOCK_D)
+                              stride_slot, stride_kv, stride_head,
+                              tl.full((BLOCK_G,), float("-inf"), tl.float32), D, BLOCK_G,
+                              BLOCK_N, BLOCK_D)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     row = ((b * tl.num_programs(1) + kh) * G + g) * num_splits + split     # [B, H, splits]
@@ -223,10 +239,11 @@ def _split_kernel(q_ptr, kv_ptr, kv_scale_ptr, slots_ptr, lens_ptr, ml_ptr, acc_
 
 
 @triton.jit
-def _reduce_kernel(ml_ptr, acc_ptr, out_ptr, stats_ptr, num_splits, stride_ob, stride_oh,
-                   D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                   WANT_STATS: tl.constexpr):
-    """Chunks of BLOCK_S splits: the global max first (ml only), then the rescaled sums."""
+def _reduce_kernel(ml_ptr, acc_ptr, out_ptr, stats_ptr, sinks_ptr, num_splits, stride_ob,
+                   stride_oh, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                   WANT_STATS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Chunks of BLOCK_S splits: the global max first (ml only), then the rescaled sums. The
+    sink, where there is one, is one more term of both, with no value."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     head = b * tl.num_programs(1) + h
@@ -238,6 +255,9 @@ def _reduce_kernel(ml_ptr, acc_ptr, out_ptr, stats_ptr, num_splits, stride_ob, s
         m = tl.load(ml_ptr + (base + s0 + s) * 2, mask=s0 + s < num_splits, other=float("-inf"))
         m_max = tl.maximum(m_max, m)
     m_all = tl.max(m_max, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h)
+        m_all = tl.maximum(m_all, sink)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)       # a row without keys
     l_sum = tl.zeros((BLOCK_S,), tl.float32)
     acc = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
@@ -252,6 +272,8 @@ def _reduce_kernel(ml_ptr, acc_ptr, out_ptr, stats_ptr, num_splits, stride_ob, s
         acc += tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0) \
             * w[:, None]
     l_all = tl.sum(l_sum, 0)
+    if HAS_SINKS:
+        l_all += tl.exp(sink - m_all)
     l_all = tl.where(l_all > 0, l_all, 1.0)
     out = tl.sum(acc, 0) / l_all
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
@@ -368,15 +390,18 @@ def decode_plan(batch: int, heads: int, head_dim: int, kvh: int, slots: torch.Te
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                      lens: torch.Tensor, scale: float, mass: Optional[torch.Tensor] = None,
                      num_splits: Optional[int] = None,
-                     kv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     kv_scale: Optional[torch.Tensor] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """See the module docstring; `mass` (float32 [B, >= Lmax], unit stride along keys) is
     accumulated in place. num_splits forces the split count (tests), with splits as even as
     whole tiles allow. kv_scale: an fp8 cache's float32 (k, v, 1/k, 1/v) on its device
-    (kv_quant.scale_row(kv_cache) when omitted)."""
+    (kv_quant.scale_row(kv_cache) when omitted). sinks: float32 [H] on q's device, or None."""
     b, h, d = q.shape
     kvh = kv_cache.shape[2]
     assert h % kvh == 0 and kv_cache.stride(3) == 1 and q.stride(2) == 1
     assert mass is None or (mass.dtype == torch.float32 and mass.stride(1) == 1)
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.shape == (h,)
+                             and sinks.is_contiguous())
     if kv_quant.is_fp8(kv_cache):
         assert not kv_quant.is_fp8(q), "decode_attention: q in an fp8 dtype"
         if kv_scale is None:
@@ -389,22 +414,25 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
                                                       q.device, num_splits, q.dtype)
     stats = torch.empty(b, h, 2, dtype=torch.float32, device=q.device) if mass is not None \
         else out   # unused placeholder pointer when no mass is wanted
+    sinks_arg = sinks if sinks is not None else out        # placeholder pointer, likewise
     attention = dict(G=h // kvh, D=d, BLOCK_G=cfg.block_g, BLOCK_D=cfg.block_d,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kv_strides = (slots.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2))
     if splits == 1:
         _decode_kernel[(b, kvh)](
-            q, kv_cache, kv_scale, slots, lens, out, stats, scale, q.stride(0), q.stride(1),
-            *kv_strides, BLOCK_N=cfg.block_n, WANT_STATS=mass is not None, **attention)
+            q, kv_cache, kv_scale, slots, lens, out, stats, sinks_arg, scale, q.stride(0),
+            q.stride(1), *kv_strides, BLOCK_N=cfg.block_n, WANT_STATS=mass is not None,
+            HAS_SINKS=sinks is not None, **attention)
     else:
         ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
         acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
         _split_kernel[(b, kvh, splits)](q, kv_cache, kv_scale, slots, lens, ml, acc, scale,
                                         min_tiles, q.stride(0), q.stride(1), *kv_strides,
                                         BLOCK_N=cfg.block_n, **attention)
-        _reduce_kernel[(b, h)](ml, acc, out, stats, splits, out.stride(0), out.stride(1), D=d,
-                               BLOCK_S=REDUCE_CHUNK, BLOCK_D=cfg.block_d,
-                               WANT_STATS=mass is not None, num_warps=cfg.num_warps)
+        _reduce_kernel[(b, h)](ml, acc, out, stats, sinks_arg, splits, out.stride(0),
+                               out.stride(1), D=d, BLOCK_S=REDUCE_CHUNK, BLOCK_D=cfg.block_d,
+                               WANT_STATS=mass is not None, HAS_SINKS=sinks is not None,
+                               num_warps=cfg.num_warps)
     if mass is not None:
         _mass_kernel[(b, mass_splits)](q, kv_cache, kv_scale, slots, lens, stats, mass, scale,
                                        min_tiles, kvh, q.stride(0), q.stride(1), slots.stride(0),
