@@ -251,3 +251,48 @@ def test_moe_spec_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="experts per token"):
         MoESpec(4, 5)
     assert np.isclose(MoESpec(4, 2).alpha, 1.702)
+
+
+def test_mxfp4_checkpoint_runs_as_its_dequantized_weights(moe_models, prompts, tmp_path):
+    """gpt-oss with MXFP4 experts (uint8 blocks and scales, quantization_config mxfp4) gives
+    the tokens of the same checkpoint with the experts it encodes stored in float32, alone and
+    at TP = 2 (the blocks dequantized whole, then sliced)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm.model_executor.layers import mxfp4
+    src = moe_models["gpt-oss"]
+    weights = load_file(f"{src}/model.safetensors")
+    g = torch.Generator().manual_seed(9)
+    packed = {}
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = weights.pop(name).shape                  # [E, in, out] -> disk [E, out, in/32, ..]
+        packed[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=g,
+                                                 dtype=torch.uint8)
+        packed[name + "_scales"] = torch.randint(122, 126, (e, n, k // 32), generator=g,
+                                                 dtype=torch.uint8)
+    dirs = {}
+    for kind, tensors in (("mxfp4", {**weights, **packed}),
+                          ("float32", mxfp4.dequantize_checkpoint({**weights, **packed},
+                                                                  torch.float32))):
+        dirs[kind] = str(tmp_path / kind)
+        shutil.copytree(src, dirs[kind])
+        save_file(tensors, f"{dirs[kind]}/model.safetensors")
+    with open(f"{dirs['mxfp4']}/config.json") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    with open(f"{dirs['mxfp4']}/config.json", "w") as f:
+        json.dump(cfg, f)
+    want, _ = _generate(dirs["float32"], prompts[:2], num_gpu_blocks_override=64)
+    assert want == hf_greedy(dirs["float32"], prompts[:2], MAX_NEW)
+    for tp in (1, 2):
+        got, _ = _generate(dirs["mxfp4"], prompts[:2], num_gpu_blocks_override=64,
+                           tensor_parallel_size=tp)
+        assert got == want
+    cfg["quantization_config"] = {"quant_method": "awq"}
+    with open(f"{dirs['mxfp4']}/config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="awq"):
+        LLM(dirs["mxfp4"], num_gpu_blocks_override=64)

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig
 
 from vllm.distributed.tp_group import TPGroup
+from vllm.model_executor.layers import mxfp4
 from vllm.model_executor.models import registry
 from vllm.model_executor.tp_shards import TPShards
 
@@ -159,6 +160,8 @@ def load_state_dict(model_dir: str, device: torch.device = torch.device("cpu"),
             name = registry.text_weight_name(name)
             if name is None:
                 return None
+        if mxfp4.is_quantized_part(name):      # uint8 as it is: dequantized whole, then sliced
+            return name, (tensor if isinstance(tensor, torch.Tensor) else tensor[:])
         t = shards.take(name, tensor) if shards is not None else tensor
         t = t if isinstance(t, torch.Tensor) else t[:]
         return name, (t if dtype is None else t.to(dtype))
@@ -167,14 +170,27 @@ def load_state_dict(model_dir: str, device: torch.device = torch.device("cpu"),
     if files:
         for f, names in files.items():
             _read_safetensors(f, names, device, load, weights)
-        return weights
+        return _dequantized(weights, dtype, shards)
     files = sorted(glob.glob(os.path.join(model_dir, "*.bin")))
     if not files:
         raise ValueError(f"--model: no *.safetensors or *.bin weights in {model_dir}")
     for f in files:   # mmap: a rank's slices are read, not the whole file
         part = torch.load(f, map_location=device, weights_only=True, mmap=True)
         weights.update(filter(None, (load(k, v) for k, v in part.items())))
-    return weights
+    return _dequantized(weights, dtype, shards)
+
+
+def _dequantized(weights: Dict[str, torch.Tensor], dtype: Optional[torch.dtype],
+                 shards: Optional[TPShards]) -> Dict[str, torch.Tensor]:
+    """MXFP4 blocks and scales (gpt-oss experts) as the tensors they encode, in `dtype`, this
+    rank's slice of each (layers/mxfp4.py)."""
+    if not any(mxfp4.is_quantized_part(name) for name in weights):
+        return weights
+    out = mxfp4.dequantize_checkpoint(weights, dtype or torch.float32)
+    if shards is not None:
+        for name in set(out) - set(weights):
+            out[name] = shards.take(name, out[name])
+    return out
 
 
 def dummy_state_dict(hf_config, seed: int = 0, device: torch.device = torch.device("cpu"),
@@ -238,6 +254,7 @@ def get_model(model_dir: str, hf_config, dtype: str, max_model_len: int,
               device: torch.device = torch.device("cpu"),
               tp: Optional[TPGroup] = None) -> torch.nn.Module:
     cls = model_class(hf_config)
+    mxfp4.check_config(hf_config)
     device, tp = torch.device(device), tp or TPGroup()
     shards = TPShards(hf_config, tp.rank, tp.world_size) if tp.world_size > 1 else None
     if load_format == "dummy":

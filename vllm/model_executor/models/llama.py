@@ -184,8 +184,7 @@ class DecoderLayer(nn.Module):
         q = ops.rope_write_kv(qkv, cos, sin, rotary, meta.slot_mapping, kv_cache,
                               self.num_heads, self.head_dim)
         decode_path = self.plan.attention_path(meta.num_decodes) if self.plan else None
-        attn = paged_attention(q, kv_cache, meta, self.scale, decode_path,
-                               **({} if self.sinks is None else {'sinks': self.sinks}))
+        attn = paged_attention(q, kv_cache, meta, self.scale, decode_path, sinks=self.sinks)
         return attn.reshape(h.shape[0], self.q_size)
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
