@@ -107,3 +107,55 @@ def test_naive_evict_vs_vtoken_retained_blocks(sim_dir):
     assert vtok_stats["relocation_events"] > 0 and naive_stats["relocation_events"] == 0
     assert vtok_stats["mean_memory_utilization"] > naive_stats["mean_memory_utilization"] + 0.15
     assert vtok_stats["blocks_used"] == naive_stats["blocks_used"] == 0
+
+
+def test_learned_sinks_leave_rows_below_one():
+    """gpt-oss (learned sinks): p_q(j) = w_j / (W(q) + SINK_WEIGHT), decode and prefill."""
+    from vllm.model_executor.models.simulated import SINK_WEIGHT
+    cfg = transformers.GptOssConfig(vocab_size=512, hidden_size=32, intermediate_size=32,
+                                    num_hidden_layers=2, num_attention_heads=HEADS,
+                                    num_key_value_heads=2, head_dim=8, sliding_window=16,
+                                    num_local_experts=4, num_experts_per_tok=2)
+    cfg.architectures = ["GptOssForCausalLM"]
+    model = SimulatedModel(cfg, seed=1)
+    cache = torch.zeros(1, 64, 2, 1, 1)
+    cache[0, :, 0, 0, 0] = torch.rand(64) + 0.1
+    cache[0, :, 1, 0, 0] = torch.arange(64).float()
+    view = torch.arange(44, 54)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([21, 50, 51, 52, 53]), num_decodes=1,
+        decode_views=torch.tensor([[3, 9, 12, 20, 21]]), decode_lens=torch.tensor([5]),
+        prefills=[PrefillSpan(1, 5, view, None, colsum=torch.zeros(10))],
+        decode_mass=torch.zeros(1, 5))
+    model(torch.arange(5) + 3, torch.tensor([7, 6, 7, 8, 9]), cache, meta)
+    lh = HEADS                                   # one full layer of two feeds the statistics
+    assert 0 < float(meta.decode_mass.sum()) < lh
+    w = cache[0, view, 0, 0, 0].double()
+    mask = torch.ones(4, 10, dtype=torch.bool).tril(6)
+    dense = (w * mask) / ((w * mask).sum(1, keepdim=True) + SINK_WEIGHT)
+    assert torch.allclose(meta.prefills[0].colsum.double(), dense.sum(0) * lh, rtol=1e-5)
+    assert float(meta.prefills[0].colsum.sum()) < 4 * lh
+
+
+@pytest.mark.parametrize("arch", ["GptOssForCausalLM", "Qwen3MoeForCausalLM"])
+def test_moe_shapes_simulate_from_config_alone(tmp_path, arch):
+    """gpt-oss-20b's and Qwen3-30B-A3B's config.json (fewer layers): the KV plane runs, H2O
+    evicts, vToken frees blocks (no weights are built)."""
+    if arch == "GptOssForCausalLM":
+        cfg = transformers.GptOssConfig(num_hidden_layers=4, vocab_size=201088)
+    else:
+        cfg = transformers.Qwen3MoeConfig(num_hidden_layers=4, hidden_size=2048, head_dim=128,
+                                          num_attention_heads=32, num_key_value_heads=4,
+                                          num_experts=128, num_experts_per_tok=8,
+                                          moe_intermediate_size=768, vocab_size=151936)
+    cfg.architectures = [arch]
+    cfg.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), load_format="simulate", kv_eviction_policy="h2o",
+              kv_eviction_ratio=0.5, kv_min_tokens=0, num_gpu_blocks_override=200,
+              kv_check_invariants=True)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(3, 512, n).tolist()} for n in (300, 200)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                 use_tqdm=False)
+    stats = llm.get_kv_stats()
+    assert stats["evicted_tokens"] > 0 and stats["blocks_reclaimed"] > 0

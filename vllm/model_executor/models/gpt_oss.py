@@ -60,6 +60,7 @@ class GptOssDecoderLayer(MoEDecoderLayer):
 
 class GptOssForCausalLM(MoEForCausalLM):
     layer_class = GptOssDecoderLayer
+    attention_sinks = True
 
     @staticmethod
     def expert_size(cfg) -> int:

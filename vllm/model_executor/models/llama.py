@@ -212,6 +212,7 @@ class LlamaForCausalLM(CpuDecodeModel):
     layer_norms = ("input_layernorm", "post_attention_layernorm")
     head_norms: Tuple[str, ...] = ()            # per-head norms, width head_dim
     norm_identity = 1.0
+    attention_sinks = False     # learned sinks in every softmax (--load-format simulate reads it)
 
     def __init__(self, cfg, weights: Dict[str, torch.Tensor], dtype: torch.dtype, max_pos: int,
                  device: torch.device = torch.device("cpu"), tp: Optional[TPGroup] = None,

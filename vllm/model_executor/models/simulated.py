@@ -16,6 +16,9 @@ Statistics follow the real backend's shapes and meaning (vllm/attention/backend.
 layer-head's probabilities over the visible keys sum to 1, so each query row sums to L*H.
   decode   p_q(j) ~ w_j * n(q, j)   (n: a seeded log-normal per (query, key) jitter)
   prefill  p_q(j) ~ w_j over keys with position <= q's; column sums in O(Lk) via prefix sums.
+A family with learned attention sinks (gpt-oss: the model class's `attention_sinks`) has a
+sink of weight SINK_WEIGHT in every denominator, as its softmax does: p_q(j) = w_j / (W(q) +
+SINK_WEIGHT), and rows sum to less than L*H.
 Key statistics (synthetic_key_statistic, from the cache rows, so relocation carries them): "norm" w,
 "similarity" 1 (one-dimensional keys all point the same way), "value_norm" a seeded log-normal of
 the position (a few tokens with large value norms, as VaSE observes).
@@ -30,6 +33,7 @@ SINK_BOOST = 30.0          # attention sinks: the first token draws a large shar
 IMPORTANCE_SIGMA = 1.5     # log-normal spread of key importance (heavy hitters)
 JITTER_SIGMA = 0.5         # per-query variation of decode attention
 VALUE_SIGMA = 1.0          # log-normal spread of value norms
+SINK_WEIGHT = 4.0          # a learned sink draws the attention of this many median keys
 
 
 class SimulatedModel:
@@ -41,6 +45,8 @@ class SimulatedModel:
         # the layer-heads whose attention the statistics sum (a hybrid model's full layers)
         self.layer_heads = sum(scores_from(attention_specs(hf_config))) * \
             hf_config.num_attention_heads
+        from vllm.model_executor.model_loader import model_class
+        self.sink = SINK_WEIGHT if model_class(hf_config).attention_sinks else 0.0
         g = torch.Generator().manual_seed(seed)
         size = 1 << TABLE_BITS
         self.importance = torch.empty(size).log_normal_(0.0, IMPORTANCE_SIGMA, generator=g)
@@ -104,7 +110,7 @@ class SimulatedModel:
         w, kpos = kv[..., 0], kv[..., 1]
         s = w * self.jitter[self._index(kpos, qpos[:, None])]
         s = s.masked_fill(meta.decode_bias.view(b, width) != 0, 0.0)    # -inf = padding
-        return s / s.sum(dim=1, keepdim=True) * self.layer_heads
+        return s / (s.sum(dim=1, keepdim=True) + self.sink) * self.layer_heads
 
     def _prefill_colsum(self, cache, span, qpos: torch.Tensor) -> torch.Tensor:
         """colsum[j] = L*H * w_j * sum over scored queries q that see j of 1 / W(q),
@@ -116,7 +122,7 @@ class SimulatedModel:
         else:
             seen = span.mask.sum(dim=1)
         seen = seen[span.colsum_from:]   # only the scored queries vote
-        inv = 1.0 / w.cumsum(0)[seen - 1]
+        inv = 1.0 / (w.cumsum(0)[seen - 1] + self.sink)
         # per_key[k] = sum of 1/W(q) over queries whose last visible key is k; suffix-sum it
         per_key = torch.zeros(lk, dtype=torch.float64).index_add_(0, seen - 1, inv)
         reach = per_key.flip(0).cumsum(0).flip(0)
