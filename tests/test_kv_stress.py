@@ -32,8 +32,8 @@ POLICIES = ["h2o", "scissorhands", "streamingllm", "sliding-window", "random", "
             "knorm", "keydiff", "rkv", "value-random"]
 MODES = ["none", "vtoken", "vtoken-fill"]
 # the model each example runs: Llama, Gemma 3 (sliding and full layers, window 8), Mistral with
-# a 12-token window on every layer
-MODELS = ["llama", "llama", "gemma3", "mistral-w12"]
+# a 12-token window on every layer, gpt-oss (mixture of experts, sinks, windows of 16)
+MODELS = ["llama", "llama", "gemma3", "mistral-w12", "gpt-oss"]
 MAX_STEPS = 4000
 EXAMPLES = 80
 TP_EXAMPLES = 6
@@ -190,9 +190,9 @@ def one_thread():
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cfg=configs, delay=st.integers(0, 3), program=st.lists(op, min_size=30, max_size=60),
        model=st.sampled_from(MODELS))
-def test_random_traffic_keeps_invariants_and_solo_identity(tiny_llama, family_models, cfg, delay,
-                                                           program, model):
-    path = tiny_llama if model == "llama" else family_models[model]
+def test_random_traffic_keeps_invariants_and_solo_identity(tiny_llama, family_models, moe_models,
+                                                           cfg, delay, program, model):
+    path = tiny_llama if model == "llama" else {**family_models, **moe_models}[model]
     OPS["models"].add(model)
     play(Traffic(path, cfg, delay), program)
 
