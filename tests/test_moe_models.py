@@ -296,3 +296,29 @@ def test_mxfp4_checkpoint_runs_as_its_dequantized_weights(moe_models, prompts, t
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="awq"):
         LLM(dirs["mxfp4"], num_gpu_blocks_override=64)
+
+
+@pytest.mark.parametrize("weights", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_grouped_gemm_is_the_per_group_gemm(isa, weights):
+    """quant_kernels.gemm_grouped bit for bit as gemm() on each group's rows, in every C build:
+    empty groups, groups below and above the tiled kernels' rows, repacked weights beside plain
+    ones, biases on some groups."""
+    import gguf
+    qtype = getattr(quant_kernels, weights)
+    n, k, counts = 40, 256, [3, 0, 7, 1, 5, 0]
+    g = torch.Generator().manual_seed(qtype)
+    ws = []
+    for e in range(len(counts)):
+        blocks = torch.from_numpy(gguf.quants.quantize(
+            (torch.randn(n, k, generator=g) * 0.1).numpy(), gguf.GGMLQuantizationType(qtype)))
+        packed = e % 2 and quant_kernels.packs(qtype, isa)
+        ws.append((quant_kernels.repack(blocks, qtype, isa), qtype | quant_kernels.PACKED)
+                  if packed else (blocks, qtype))
+    biases = [torch.randn(n, generator=g) if e % 3 else None for e in range(len(counts))]
+    offsets = torch.tensor([0] + np.cumsum(counts).tolist(), dtype=torch.int64)
+    x = torch.randn(int(offsets[-1]), k, generator=g)
+    y = quant_kernels.gemm_grouped(x, quant_kernels.Grouped(ws, n, k, biases), offsets, isa)
+    for e, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        if b > a:
+            want = quant_kernels.gemm(x[a:b], *ws[e], n, k, biases[e], isa=isa)
+            assert torch.equal(y[a:b], want), (e, float((y[a:b] - want).abs().max()))

@@ -1401,6 +1401,46 @@ static int parts_ok(int nparts, const int *types, const int64_t *ns, int64_t k) 
    joined digits (built when a weight is repacked or m >= TILE_MIN_ROWS, else NULL). Every
    weight's columns in chunks (8, whole cache lines of y per thread, mostly; 16 for the tiled
    and repacked kernels), all in one parallel loop */
+/* columns j0 .. j1 of one weight (type | VQ_PACKED) for m quantized activation rows (xq: q [m, k]
+   then e [m, k]; xd: d [m, k / 32] then ed; x16 [m, k] or NULL), into y with row stride ldy */
+static inline void gemm_columns(int typef, const uint8_t *w, int64_t j0, int64_t j1, int64_t k,
+                                const int8_t *xq, const float *xd, const float *xs,
+                                const int16_t *x16, int64_t m, const float *bias,
+                                const float *residual, float *y, int64_t ldy, int vnni) {
+    const int type = typef & ~VQ_PACKED;
+    const int64_t nb = k / QK;
+#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
+    if (typef & VQ_PACKED) {
+        columns_packed(type, w, j0, j1, k, x16, xd + m * nb, xs, m, bias, residual, y, ldy,
+                       vnni);
+        return;
+    }
+    if (x16 && m >= TILE_MIN_ROWS) {
+        columns_tiled(type, 0, w, j0, j1, k, x16, xd + m * nb, xs, m, bias, residual, y, ldy,
+                      vnni);
+        return;
+    }
+#endif
+#if defined(VTOK_ISA_AVX512)
+    if (vnni) {
+        columns_vnni(type, w, j0, j1, k, xq, xd, xs, m, bias, residual, y, ldy);
+        return;
+    }
+#endif
+    (void)vnni, (void)x16, (void)nb;
+    columns_madd(type, w, j0, j1, k, xq, xd, xs, m, bias, residual, y, ldy);
+}
+
+/* the column chunk a thread takes: 16 for the tiled and repacked kernels, else 8 (whole cache
+   lines of y per thread, mostly) */
+static inline int64_t column_chunk(int typef, const int16_t *x16, int64_t m) {
+    return (typef & VQ_PACKED) || (x16 && m >= TILE_MIN_ROWS) ? 16 : 8;
+}
+
+/* y [m, sum ns] = x @ [W_0; W_1; ...]^T on already quantized activations (vq_quantize_rows):
+   xq holds q [m, k] then e [m, k], xd holds d [m, k / 32] then ed [m, k / 32]; x16 [m, k] their
+   joined digits (built when a weight is repacked or m >= TILE_MIN_ROWS, else NULL). Every
+   weight's columns in chunks (column_chunk), all in one parallel loop */
 static void gemm_parts_q(int nparts, const int *types, const uint8_t *const *ws,
                          const int64_t *ns, int64_t k, const int8_t *xq, const float *xd,
                          const float *xs, const int16_t *x16, int64_t m, const float *bias,
@@ -1408,11 +1448,11 @@ static void gemm_parts_q(int nparts, const int *types, const uint8_t *const *ws,
     int64_t first[MAX_PARTS + 1], col[MAX_PARTS + 1], chunk[MAX_PARTS];  /* first chunk, column */
     first[0] = col[0] = 0;
     for (int p = 0; p < nparts; p++) {
-        chunk[p] = (types[p] & VQ_PACKED) || (x16 && m >= TILE_MIN_ROWS) ? 16 : 8;
+        chunk[p] = column_chunk(types[p], x16, m);
         first[p + 1] = first[p] + (ns[p] + chunk[p] - 1) / chunk[p];
         col[p + 1] = col[p] + ns[p];
     }
-    const int64_t ldy = col[nparts], nb = k / QK;
+    const int64_t ldy = col[nparts];
     const int vnni = vq_uses_vnni();
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < first[nparts]; c++) {
@@ -1420,30 +1460,9 @@ static void gemm_parts_q(int nparts, const int *types, const uint8_t *const *ws,
         while (c >= first[p + 1]) p++;
         const int64_t j0 = (c - first[p]) * chunk[p];
         const int64_t j1 = j0 + chunk[p] < ns[p] ? j0 + chunk[p] : ns[p];
-        const int type = types[p] & ~VQ_PACKED;
-        const float *bp = bias ? bias + col[p] : NULL;
-        const float *rp = residual ? residual + col[p] : NULL;
-        float *yp = y + col[p];
-#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
-        if (types[p] & VQ_PACKED) {
-            columns_packed(type, ws[p], j0, j1, k, x16, xd + m * nb, xs, m, bp, rp, yp, ldy,
-                           vnni);
-            continue;
-        }
-        if (x16 && m >= TILE_MIN_ROWS) {
-            columns_tiled(type, 0, ws[p], j0, j1, k, x16, xd + m * nb, xs, m, bp, rp, yp, ldy,
-                          vnni);
-            continue;
-        }
-#endif
-#if defined(VTOK_ISA_AVX512)
-        if (vnni) {
-            columns_vnni(type, ws[p], j0, j1, k, xq, xd, xs, m, bp, rp, yp, ldy);
-            continue;
-        }
-#endif
-        (void)vnni, (void)x16, (void)nb;
-        columns_madd(type, ws[p], j0, j1, k, xq, xd, xs, m, bp, rp, yp, ldy);
+        gemm_columns(types[p], ws[p], j0, j1, k, xq, xd, xs, x16, m,
+                     bias ? bias + col[p] : NULL, residual ? residual + col[p] : NULL,
+                     y + col[p], ldy, vnni);
     }
 }
 
@@ -1494,4 +1513,63 @@ int vq_gemm_parts(int nparts, const int *types, const uint8_t *const *ws, const 
 int vq_gemm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
             const float *bias, const float *residual, float *y) {
     return vq_gemm_parts(1, &type, &w, &n, k, x, m, bias, residual, y);
+}
+
+/* Grouped GEMM, a mixture of experts' expert layer: the rows off[g] .. off[g + 1] of x [P, k]
+   (the tokens routed to expert g, grouped by expert) times weight g, n rows of k in types[g]'s
+   blocks (| VQ_PACKED: repacked): y [P, n], row p = x[p] @ W_g^T (+ biases[g] [n], when biases
+   and biases[g] are not NULL). An empty group costs nothing. Each group's rows are quantized as
+   vq_gemm quantizes them, then one parallel loop runs every group's column chunks, so many
+   groups of one or two rows share one fork. Returns 0, or -1 on a bad type, k not a multiple
+   of a weight's block, unordered offsets or no memory */
+int vq_gemm_grouped(int ngroups, const int *types, const uint8_t *const *ws,
+                    const float *const *biases, int64_t n, int64_t k, const float *x,
+                    const int64_t *off, float *y) {
+    if (ngroups < 0 || n < 0 || off[0] != 0) return -1;
+    int want16 = 0;
+    for (int g = 0; g < ngroups; g++) {
+        if (!parts_ok(1, &types[g], &n, k) || off[g + 1] < off[g]) return -1;
+#if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
+        want16 |= (types[g] & VQ_PACKED) || off[g + 1] - off[g] >= TILE_MIN_ROWS;
+#endif
+    }
+    const int64_t rows = off[ngroups], nb = k / QK;
+    if (rows == 0 || n == 0) return 0;
+    /* per row: d, ed, s [nb] floats; q, e [k] int8; X [k] int16; and per group its first chunk */
+    const size_t fbytes = sizeof(float) * (size_t)(3 * rows * nb);
+    const size_t qbytes = (size_t)(2 * rows * k) * (want16 ? 2 : 1);
+    uint8_t *buf = (uint8_t *)scratch(fbytes + qbytes + sizeof(int64_t) * (size_t)(ngroups + 1));
+    if (!buf) return -1;
+    float *xd = (float *)buf, *xs = xd + 2 * rows * nb;
+    int8_t *xq = (int8_t *)(buf + fbytes);
+    int16_t *x16 = want16 ? (int16_t *)(xq + 2 * rows * k) : NULL;
+    int64_t *first = (int64_t *)(buf + fbytes + qbytes);
+    /* group g's activations as vq_gemm lays out m = its rows: q then e at 2 k off[g], d then
+       ed at 2 nb off[g], s at nb off[g], X at k off[g] */
+    first[0] = 0;
+    for (int g = 0; g < ngroups; g++) {
+        const int64_t a = off[g], m = off[g + 1] - off[g];
+        if (m)
+            quantize_rows(x + a * k, m, k, xq + 2 * a * k, xq + 2 * a * k + m * k,
+                          x16 ? x16 + a * k : NULL, xd + 2 * a * nb, xd + 2 * a * nb + m * nb,
+                          xs + a * nb);
+        const int64_t chunk = column_chunk(types[g], x16, m);
+        first[g + 1] = first[g] + (m ? (n + chunk - 1) / chunk : 0);
+    }
+    const int vnni = vq_uses_vnni();
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < first[ngroups]; c++) {
+        int lo = 0, hi = ngroups - 1;         /* the group g with first[g] <= c < first[g + 1] */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (first[mid] <= c) lo = mid; else hi = mid - 1;
+        }
+        const int g = lo;
+        const int64_t a = off[g], m = off[g + 1] - a, chunk = column_chunk(types[g], x16, m);
+        const int64_t j0 = (c - first[g]) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+        gemm_columns(types[g], ws[g], j0, j1, k, xq + 2 * a * k, xd + 2 * a * nb, xs + a * nb,
+                     x16 ? x16 + a * k : NULL, m, biases ? biases[g] : NULL, NULL, y + a * n, n,
+                     vnni);
+    }
+    return 0;
 }

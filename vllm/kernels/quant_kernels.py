@@ -61,6 +61,8 @@ def library(isa: str) -> Optional[ctypes.CDLL]:
     lib.vq_gemm.restype = _int
     lib.vq_gemm_parts.argtypes = [_int, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
     lib.vq_gemm_parts.restype = _int
+    lib.vq_gemm_grouped.argtypes = [_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
+    lib.vq_gemm_grouped.restype = _int
     lib.vq_packs.argtypes = [_int]
     lib.vq_packs.restype = _int
     lib.vq_packed_bytes.argtypes = [_int, _i64, _i64]
@@ -187,6 +189,44 @@ def gemm_parts(x: torch.Tensor, parts: Parts, bias: Optional[torch.Tensor] = Non
         parts.count, parts.types, parts.ptrs, parts.ns, parts.k, x.data_ptr(), x.shape[0],
         _ptr_or_none(bias), _ptr_or_none(residual), y.data_ptr())
     assert rc == 0, "vq_gemm_parts failed (out of memory?)"
+    return y
+
+
+class Grouped:
+    """Weights for gemm_grouped, one per group (a mixture of experts' experts): (blocks, qtype)
+    or repack()'s (blocks, qtype | PACKED), every one n rows of k, with a bias [n] or None
+    each. The C call's argument arrays are built once (the tensors must stay in place)."""
+
+    def __init__(self, weights: Sequence[tuple], n: int, k: int,
+                 biases: Optional[Sequence[Optional[torch.Tensor]]] = None):
+        for blocks, qtype in weights:
+            _check_weight(blocks, qtype, n, k)
+        g = len(weights)
+        self.count, self.n, self.k = g, n, k
+        self.tensors = [w[0] for w in weights]
+        self.types = (ctypes.c_int * g)(*(w[1] for w in weights))
+        self.ptrs = (ctypes.c_void_p * g)(*(w[0].data_ptr() for w in weights))
+        self.bias_tensors = list(biases) if biases is not None else [None] * g
+        for b in self.bias_tensors:
+            assert b is None or (b.dtype == torch.float32 and b.is_contiguous() and
+                                 b.numel() == n)
+        self.biases = (ctypes.c_void_p * g)(*(_ptr_or_none(b) for b in self.bias_tensors))
+
+
+def gemm_grouped(x: torch.Tensor, grouped: Grouped, offsets: torch.Tensor,
+                 isa: Optional[str] = None) -> torch.Tensor:
+    """x [P, K] float32, its rows grouped: offsets int64 [G + 1] (0, ..., P), rows offsets[g] ..
+    offsets[g + 1] go through weight g -> [P, N] (+ that weight's bias); x quantized row by
+    row as gemm() does, every group's columns in one parallel loop."""
+    x = x.contiguous()
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == grouped.k
+    assert offsets.dtype == torch.int64 and offsets.is_contiguous() and \
+        offsets.numel() == grouped.count + 1
+    y = torch.empty(x.shape[0], grouped.n, dtype=torch.float32)
+    rc = library(isa or active_isa()).vq_gemm_grouped(
+        grouped.count, grouped.types, grouped.ptrs, grouped.biases, grouped.n, grouped.k,
+        x.data_ptr(), offsets.data_ptr(), y.data_ptr())
+    assert rc == 0, "vq_gemm_grouped failed (bad offsets, or out of memory?)"
     return y
 
 

@@ -24,6 +24,12 @@ Canonical weight names (each family's prepare_weights renames its checkpoint to 
     p.gate.weight [E, H] (+ p.gate.bias [E])                              router
     p.experts.e.{gate,up}_proj.weight [I, H], p.experts.e.down_proj.weight [H, I] (+ .bias)
 
+Experts kept in GGUF blocks (one block type per expert GEMM) run as two grouped calls a step
+(quant_kernels.gemm_grouped: every active expert's gate_up over its tokens, then every down):
+the activations quantized once, every expert's column chunks in one parallel loop, so a decode
+step's many experts of one or two rows each pay one fork, not one per expert. Other experts
+(float32, bf16, mixed block types) run one Linear pair per active expert.
+
 Tensor parallelism splits every expert's intermediate dimension (TPShards): each rank holds
 I/N of every expert's gate/up rows and down columns, computes the routing itself from the
 replicated router (the same input and weights on every rank, so the same picks), and returns
@@ -36,10 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.kernels import quant_kernels
 from vllm.kernels.cpu_kernel_plan import KernelPlan
 from vllm.model_executor.layers.activation import act_mul
 from vllm.model_executor.layers.linear import Linear
-from vllm.model_executor.quant_linear import QuantWeight, block_linear, group
+from vllm.model_executor.quant_linear import QuantLinear, QuantWeight, block_linear, group
 from vllm.weight_arena import WeightArena
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
@@ -104,9 +111,13 @@ class FusedMoE(nn.Module):
         experts = range(spec.num_experts)
         self.gate_up = nn.ModuleList(gemm(e, ["gate", "up"], "gate_up", True) for e in experts)
         self.down = nn.ModuleList(gemm(e, ["down"], "down", rank == 0) for e in experts)
+        self.grouped = _grouped(self.gate_up), _grouped(self.down)
+        if None in self.grouped:
+            self.grouped = None
 
     def gemms(self) -> List[nn.Module]:
-        return list(self.gate_up) + list(self.down)
+        """The GEMM modules forward calls one by one (none where the experts run grouped)."""
+        return [] if self.grouped else list(self.gate_up) + list(self.down)
 
     def route(self, x: torch.Tensor):
         """x [T, H] -> (weights [T, top_k] in x's dtype, expert ids [T, top_k])."""
@@ -135,10 +146,19 @@ class FusedMoE(nn.Module):
         k = self.spec.top_k
         flat = ids.view(-1)
         order = torch.argsort(flat, stable=True)            # picks grouped by expert
-        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.spec.num_experts)
         tokens = order // k
         picked = weights.view(-1)[order]
         out = torch.zeros_like(x)
+        if self.grouped is not None:
+            offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            gate_up, down = self.grouped
+            h = self.activation(quant_kernels.gemm_grouped(x.index_select(0, tokens), gate_up,
+                                                           offsets))
+            y = quant_kernels.gemm_grouped(h, down, offsets)
+            return out.index_add_(0, tokens, y * picked[:, None])
+        counts = counts.tolist()
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -148,3 +168,15 @@ class FusedMoE(nn.Module):
             out.index_add_(0, rows, y * picked[start:start + n, None])
             start += n
         return out
+
+
+def _grouped(linears: nn.ModuleList) -> Optional[quant_kernels.Grouped]:
+    """The experts' weights for gemm_grouped where every one is a QuantLinear of one block
+    type on the CPU (its bias, if any, added by the kernel), else None."""
+    if not all(isinstance(lin, QuantLinear) and len(lin.qtypes) == 1 for lin in linears) or \
+            not quant_kernels.available():
+        return None
+    first = linears[0]
+    return quant_kernels.Grouped(
+        [(lin.blocks[0], lin._parts.types[0]) for lin in linears], first.out_features,
+        first.in_features, [lin.bias for lin in linears])
