@@ -104,13 +104,13 @@ def test_dummy_weights_from_config_alone(moe_models, family):
 H, I, E = 64, 32, 4
 
 
-def _weights(seed: int, biases: bool):
+def _weights(seed: int, biases: bool, h: int = H, i: int = I):
     g = torch.Generator().manual_seed(seed)
-    w = {"p.mlp.gate.weight": torch.randn(E, H, generator=g)}
+    w = {"p.mlp.gate.weight": torch.randn(E, h, generator=g)}
     if biases:
         w["p.mlp.gate.bias"] = torch.randn(E, generator=g)
     for e in range(E):
-        for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+        for proj, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
             w[expert_name("p", e, proj)] = torch.randn(*shape, generator=g) * 0.2
             if biases:
                 w[expert_name("p", e, proj)[:-6] + "bias"] = torch.randn(shape[0], generator=g)
@@ -152,7 +152,7 @@ def _x_for(routes: str, w, spec: MoESpec, m: int = 9) -> torch.Tensor:
     rows = []
     gate = w["p.mlp.gate.weight"]
     while len(rows) < m:
-        x = torch.randn(H, generator=g)
+        x = torch.randn(w["p.mlp.gate.weight"].shape[1], generator=g)
         ids = torch.topk(x @ gate.t() + w.get("p.mlp.gate.bias", 0), spec.top_k).indices
         if (routes == "one takes all" and 0 in ids) or \
                 (routes == "some idle" and not ({1, 2} & set(ids.tolist()))):
@@ -181,27 +181,34 @@ def isa(request, monkeypatch):
                                   MoESpec(E, 2, "topk_softmax", True, "swiglu_clamped",
                                           1.702, 1.5)], ids=["renorm", "plain", "gpt-oss"])
 @pytest.mark.parametrize("routes", ["some idle", "one takes all"])
-@pytest.mark.parametrize("weights", ["float32", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("weights", ["float32", "Q8_0", "Q4_0", "Q4_K", "Q6_K"])
 def test_experts_match_float64(isa, spec, routes, weights):
-    """Every C build, float32 panels and GGUF blocks: an expert no token picks, one every
-    token picks. Tolerances: float32 1e-4; blocks against the float64 math of the blocks'
-    own values, within the activations' 8-bit quantization (3e-2 of the output's scale)."""
+    """Every C build, float32 panels and GGUF blocks (K-quants: random valid blocks, experts
+    of 256): an expert no token picks, one every token picks. Tolerances: float32 1e-4;
+    blocks against the float64 math of the blocks' own values, within the activations' 8-bit
+    quantization (3e-2 of the output's scale)."""
     import gguf
+
+    from tests.gguf_kquants import random_blocks
     biases = spec.activation != "silu"
-    w = _weights(7, biases)
+    kquant = weights in ("Q4_K", "Q6_K")
+    w = _weights(7, biases, *((256, 256) if kquant else (H, I)))
     x = _x_for(routes, w, spec)
     quant, dequant = None, None
     if weights != "float32":
         qtype = getattr(quant_kernels, weights)
         quant, values = {}, {}
+        rng = np.random.default_rng(qtype)
         for name, t in w.items():
             if name.endswith("proj.weight"):
-                blocks = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType(qtype))
+                blocks = random_blocks(rng, *t.shape, qtype) if kquant else \
+                    gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType(qtype))
                 quant[name] = QuantWeight(torch.from_numpy(blocks), qtype, tuple(t.shape))
                 values[name] = torch.from_numpy(gguf.quants.dequantize(
                     blocks, gguf.GGMLQuantizationType(qtype)).reshape(t.shape))
         dequant = values.__getitem__
-    plan = _plan(isa, [(H, 2 * I), (I, H)])
+    h, i = w["p.mlp.gate.weight"].shape[1], w[expert_name("p", 0, "gate")].shape[0]
+    plan = _plan(isa, [(h, 2 * i), (i, h)])
     moe = FusedMoE(spec, w, "p", plan, quant=quant)
     got = moe(x.contiguous())
     want = _reference(spec, w, x, dequant)
