@@ -114,6 +114,9 @@ class FusedMoE(nn.Module):
         self.grouped = _grouped(self.gate_up), _grouped(self.down)
         if None in self.grouped:
             self.grouped = None
+        else:       # no torch 4-bit twin for grouped experts: drop the blocks kept to build one
+            for lin in list(self.gate_up) + list(self.down):
+                lin.int4_source = None
 
     def gemms(self) -> List[nn.Module]:
         """The GEMM modules forward calls one by one (none where the experts run grouped)."""
