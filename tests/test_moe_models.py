@@ -329,3 +329,30 @@ def test_grouped_gemm_is_the_per_group_gemm(isa, weights):
         if b > a:
             want = quant_kernels.gemm(x[a:b], *ws[e], n, k, biases[e], isa=isa)
             assert torch.equal(y[a:b], want), (e, float((y[a:b] - want).abs().max()))
+
+
+@pytest.mark.skipif(not quant_kernels.available(), reason="no C compiler")
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_bfloat16_experts_run_bf16_and_match_transformers(moe_models, prompts, family,
+                                                          tmp_path):
+    """--dtype bfloat16 on a bf16 checkpoint: every expert GEMM (after the family's renaming:
+    Mixtral's w1/w2/w3, gpt-oss's fused experts) is a BF16Linear; with a float32 KV cache the
+    greedy tokens equal transformers' float32 run of the same bf16 weights."""
+    import transformers
+
+    from vllm.model_executor.bf16_linear import BF16Linear
+    model = transformers.AutoModelForCausalLM.from_pretrained(moe_models[family],
+                                                              dtype=torch.bfloat16)
+    model.save_pretrained(str(tmp_path))
+    transformers.AutoTokenizer.from_pretrained(moe_models[family]).save_pretrained(
+        str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="bfloat16", num_gpu_blocks_override=128,
+              kv_cache_dtype="float32")
+    layers = llm.llm_engine.model_executor.driver_worker.model.layers
+    experts = [lin for layer in layers if layer.moe is not None
+               for lin in list(layer.moe.gate_up) + list(layer.moe.down)]
+    assert experts and all(isinstance(lin, BF16Linear) for lin in experts)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:3]], params, use_tqdm=False)]
+    assert got == hf_greedy(str(tmp_path), prompts[:3], MAX_NEW)

@@ -262,6 +262,7 @@ def get_model(model_dir: str, hf_config, dtype: str, max_model_len: int,
     else:
         weights = load_state_dict(model_dir, device, DTYPES[dtype], shards,
                                   getattr(hf_config, registry.TEXT_OF_MULTIMODAL_ATTR, False))
+    weights = cls.canonical_weights(weights)
     quant, keep_float32 = _block_weights(hf_config, dtype, device, tp, load_format, weights)
     with torch.no_grad():
         if quant:

@@ -28,7 +28,7 @@ from vllm.kernels import cpu_kernel_plan, quant_kernels
 logger = logging.getLogger(__name__)
 # the GEMM weights of a llama checkpoint (HF names); the LM head is "lm_head.weight"
 _LAYER_GEMM_RE = re.compile(
-    r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(experts\.\d+\.)?(gate|up|down))_proj\.weight")
 
 
 @dataclass

@@ -19,7 +19,7 @@ Activations (MoESpec.activation), over [gate | up]:
     "swiglu_clamped" g = min(gate, limit), u = clamp(up, -limit, limit),
                      (u + 1) * g * sigmoid(alpha * g)    (gpt-oss: alpha 1.702, limit 7)
 
-Canonical weight names (each family's prepare_weights renames its checkpoint to them), HF's
+Canonical weight names (each family's canonical_weights renames its checkpoint to them), HF's
 [out, in] per expert, p = "model.layers.N.mlp":
     p.gate.weight [E, H] (+ p.gate.bias [E])                              router
     p.experts.e.{gate,up}_proj.weight [I, H], p.experts.e.down_proj.weight [H, I] (+ .bias)

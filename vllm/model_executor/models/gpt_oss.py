@@ -74,5 +74,6 @@ class GptOssForCausalLM(MoEForCausalLM):
         return {**shapes, **biases, "self_attn.sinks": (cfg.num_attention_heads,),
                 "self_attn.o_proj.bias": (cfg.hidden_size,)}
 
-    def prepare_weights(self, w: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    @staticmethod
+    def canonical_weights(w: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         return split_experts(w)

@@ -268,6 +268,13 @@ class LlamaForCausalLM(CpuDecodeModel):
         return {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
                 "mlp.down_proj.weight": (h, inter)}
 
+    @staticmethod
+    def canonical_weights(w: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The checkpoint's tensors under the names the layers read (model_loader applies it
+        as loaded, before any GEMM weight is kept in blocks or bf16); a family whose checkpoint
+        names differ renames or splits here (mixtral.py, gpt_oss.py)."""
+        return w
+
     def prepare_weights(self, w: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The checkpoint's tensors as the layers read them (a family folds or renames here)."""
         return w

@@ -39,5 +39,6 @@ class MixtralForCausalLM(MoEForCausalLM):
     def expert_size(cfg) -> int:
         return cfg.intermediate_size
 
-    def prepare_weights(self, w: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    @staticmethod
+    def canonical_weights(w: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         return {canonical_name(k): v for k, v in w.items()}
