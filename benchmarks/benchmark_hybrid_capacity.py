@@ -11,9 +11,11 @@ policy and planner; synthetic attention statistics):
     ideal (groups)      blocks / (packed live blocks + sliding blocks) per request
 
 Shapes: Gemma-3-27B (62 layers, every 6th full, window 1,024, 16 KV heads x 128) and Qwen3-8B
-(36 full layers, 8 KV heads x 128: one group, the dense reference); --scale shrinks lengths,
-memory and the window together, so blocks per request keep their paper-scale ratios. KV bytes per token are
-reported per variant (bf16): the full group's per token, plus the sliding windows' per request.
+(36 full layers, 8 KV heads x 128: one group, the dense reference); gpt-oss-20b (24 layers
+alternating window 128 / full, 8 KV heads x 64, attention sinks; benchmark_moe.py runs it) on
+request. --scale shrinks lengths, memory and the window together, so blocks per request keep
+their paper-scale ratios. KV bytes per token are reported per variant (bf16): the full group's
+per token, plus the sliding windows' per request.
 
     python benchmarks/benchmark_hybrid_capacity.py --quick      # scale 1/16
     python benchmarks/benchmark_hybrid_capacity.py --scale 0.125
@@ -42,6 +44,16 @@ def shape_dir(name: str, scale: float) -> str:
             sliding_window=max(BLOCK, round(1024 * scale)),
             query_pre_attn_scalar=168, max_position_embeddings=131072)
         cfg.architectures = ["Gemma3ForCausalLM"]
+    elif name == "gpt-oss-20b":           # sliding / full alternating (layer_types), sinks
+        cfg = transformers.GptOssConfig(
+            vocab_size=32000, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+            num_experts_per_tok=4, sliding_window=max(BLOCK, round(128 * scale)),
+            max_position_embeddings=131072,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False})
+        cfg.architectures = ["GptOssForCausalLM"]
     else:
         cfg = transformers.Qwen3Config(
             vocab_size=32000, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -116,7 +128,8 @@ def main():
     p.add_argument("--memory-gib", type=float, default=40.0,
                    help="KV memory at scale 1 (scaled with the lengths)")
     p.add_argument("--max-c", type=int, default=160, help="requests available to the search")
-    p.add_argument("--shapes", nargs="+", default=["gemma3-27b", "qwen3-8b"])
+    p.add_argument("--shapes", nargs="+", default=["gemma3-27b", "qwen3-8b"],
+                   choices=["gemma3-27b", "qwen3-8b", "gpt-oss-20b"])
     args = p.parse_args()
     common.setup(args)
     t0 = time.perf_counter()
