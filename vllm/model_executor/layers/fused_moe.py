@@ -76,13 +76,9 @@ def expert_name(p: str, e: int, proj: str) -> str:
     return f"{p}.mlp.experts.{e}.{proj}_proj.weight"
 
 
-def expert_gemm_shapes(w: Dict[str, torch.Tensor], p: str) -> Dict[str, tuple]:
-    """(K, N) of an MoE layer's two expert GEMMs (this rank's): gate_up (H, 2I), down (I, H)."""
-    i, h = w[expert_name(p, 0, "gate")].shape
-    return {"gate_up": (h, 2 * i), "down": (i, h)}
-
-
 class FusedMoE(nn.Module):
+    """One layer's router and experts (the module docstring); forward(x [T, H]) -> [T, H]."""
+
     def __init__(self, spec: MoESpec, w: Dict[str, torch.Tensor], p: str,
                  plan: Optional[KernelPlan], arena: Optional[WeightArena] = None,
                  rank: int = 0, quant: Optional[Dict[str, QuantWeight]] = None,
