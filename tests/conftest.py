@@ -122,6 +122,18 @@ def prompt_kls(ref, got):
     return kls
 
 
+def greedy_checked(model_dir: str, prompts, max_tokens: int, params=None, **kwargs):
+    """The engine's greedy tokens for token-id prompts, batched (params: other sampling), then
+    its invariants and an empty pool checked. -> (token ids per prompt, the LLM)."""
+    from vllm import LLM, SamplingParams
+    llm = LLM(model_dir, **kwargs)
+    params = params or SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    assert llm.llm_engine.kv.bm.num_free_blocks == llm.llm_engine.kv.bm.num_blocks
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
 def hf_greedy(model_dir: str, prompts, max_new_tokens: int):
     """Reference: transformers generate, float32, one prompt at a time (no padding)."""
     import transformers

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import greedy_checked, hf_greedy, random_prompts
 from vllm import LLM, SamplingParams
 from vllm.kernels import ops
 
@@ -10,12 +10,7 @@ MAX_NEW = 24
 
 
 def _generate(model_dir, prompts, **kwargs):
-    llm = LLM(model_dir, **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.check_invariants()
-    assert llm.llm_engine.kv.bm.num_free_blocks == llm.llm_engine.kv.bm.num_blocks
-    return [o.outputs[0].token_ids for o in outs], llm
+    return greedy_checked(model_dir, prompts, MAX_NEW, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import MOE_FAMILIES, hf_greedy, random_prompts
+from tests.conftest import MOE_FAMILIES, greedy_checked, hf_greedy, random_prompts
 from vllm import LLM, SamplingParams
 from vllm.config import EVICTION_POLICIES
 from vllm.kernels import cpu_kernel_plan, cpu_kernels, quant_kernels
@@ -29,12 +29,7 @@ def references(moe_models, prompts):
 
 
 def _generate(model_dir, prompts, **kwargs):
-    llm = LLM(model_dir, **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.check_invariants()
-    assert llm.llm_engine.kv.bm.num_free_blocks == llm.llm_engine.kv.bm.num_blocks
-    return [o.outputs[0].token_ids for o in outs], llm
+    return greedy_checked(model_dir, prompts, MAX_NEW, **kwargs)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
