@@ -416,7 +416,7 @@ def requantized(qtype_name: str) -> str:
     from vllm import envs
     from vllm.model_executor.gguf_loader import find_default_model_gguf
     src = find_default_model_gguf()
-    dst = envs.cache_root() / "gguf" / f"SmolLM2-135M-Instruct.{qtype_name}.requantized.gguf"
+    dst = envs.VLLM_CACHE_ROOT / "gguf" / f"SmolLM2-135M-Instruct.{qtype_name}.requantized.gguf"
     if dst.exists():
         return str(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,7 @@ def test_llamacpp_path_pairs_rounds_with_a_stand_in_peer(tmp_path, monkeypatch):
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
     # the GGUF's conversion goes to a cache of its own; the compiled kernels are the usual ones
     from vllm import envs
-    kernels = envs.cache_root() / "cpu_kernels"
+    kernels = envs.VLLM_CACHE_ROOT / "cpu_kernels"
     kernels.mkdir(parents=True, exist_ok=True)
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "cpu_kernels").symlink_to(kernels)

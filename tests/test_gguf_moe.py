@@ -447,7 +447,7 @@ def engine_cache(root, moe):
     """$VLLM_CACHE_ROOT at the fixture's cache, so LLM(<.gguf>) finds the conversions made there
     (not a copy per run in the user's cache); the compiled CPU kernels are the usual ones."""
     from vllm import envs
-    kernels = envs.cache_root() / "cpu_kernels"
+    kernels = envs.VLLM_CACHE_ROOT / "cpu_kernels"
     kernels.mkdir(parents=True, exist_ok=True)
     (root / "cache" / "cpu_kernels").symlink_to(kernels)
     with pytest.MonkeyPatch.context() as mp:

@@ -50,7 +50,7 @@ def own_cache(tmp_path, monkeypatch):
     import vllm
     from vllm import envs
     monkeypatch.setattr(vllm, "LLM", functools.partial(vllm.LLM, kv_cache_memory=64 << 20))
-    kernels = envs.cache_root() / "cpu_kernels"
+    kernels = envs.VLLM_CACHE_ROOT / "cpu_kernels"
     kernels.mkdir(parents=True, exist_ok=True)
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "cpu_kernels").symlink_to(kernels)

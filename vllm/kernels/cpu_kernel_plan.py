@@ -353,7 +353,7 @@ def _cache_path(shapes: Dict[Tuple[int, int], int], attention: Tuple[int, ...]) 
                       sorted(shapes.items()), attention, BANDS, MARGIN, TIMING_VERSION,
                       [os.environ.get(name) for name in TORCH_ISA_ENV]])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return envs.cache_root() / "cpu_kernels" / f"plan-{isa}-{digest}.json"
+    return envs.VLLM_CACHE_ROOT / "cpu_kernels" / f"plan-{isa}-{digest}.json"
 
 
 def plan_model(shapes: Dict[Tuple[int, int], int], heads: int, kv_heads: int, head_dim: int,
@@ -544,7 +544,7 @@ def _read(path) -> Optional[KernelPlan]:
 
 
 def _write(plan: KernelPlan) -> None:
-    path = envs.cache_root() / "cpu_kernels" / os.path.basename(plan.cache_path)
+    path = envs.VLLM_CACHE_ROOT / "cpu_kernels" / os.path.basename(plan.cache_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(plan.as_dict(), indent=1))

@@ -118,7 +118,7 @@ def build_key(isa: str, source: Optional[Path] = None) -> str:
 
 def _build(isa: str, source: Optional[Path] = None) -> Path:
     source = Path(source or SOURCE)
-    lib = envs.cache_root() / "cpu_kernels" / f"{source.stem}-{isa}-{build_key(isa, source)}.so"
+    lib = envs.VLLM_CACHE_ROOT / "cpu_kernels" / f"{source.stem}-{isa}-{build_key(isa, source)}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")

@@ -247,7 +247,7 @@ def _load_jit() -> bool:
             from torch.utils.cpp_extension import load
             arch, debug = _arch_list(), debug_build()
             key = build_key(src, arch, debug)
-            build_dir = envs.cache_root() / "cuda_kernels" / f"relocate-{key}"
+            build_dir = envs.VLLM_CACHE_ROOT / "cuda_kernels" / f"relocate-{key}"
             build_dir.mkdir(parents=True, exist_ok=True)
             saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
             os.environ["TORCH_CUDA_ARCH_LIST"] = arch

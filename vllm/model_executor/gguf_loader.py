@@ -247,7 +247,7 @@ def find_gemma3_gguf(cache_dir: Optional[str] = None) -> str:
     if expected is None:
         raise ValueError(f"{sums} has no sha256 for {_GEMMA3_GGUF_FILE}")
 
-    root = Path(cache_dir).expanduser() if cache_dir else envs.cache_root()
+    root = Path(cache_dir).expanduser() if cache_dir else envs.VLLM_CACHE_ROOT
     target = (root / "gguf-files" / expected[:12] / _GEMMA3_GGUF_FILE).absolute()
     size = sum(p.stat().st_size for p in parts)
     if target.is_file() and target.stat().st_size == size:
@@ -302,7 +302,7 @@ def _cache_key(gguf_path: Path) -> str:
 def converted_dir_for(gguf_path: str, cache_dir: Optional[str] = None) -> str:
     """Where ``convert_gguf`` puts (or has put) the conversion of ``gguf_path``."""
     path = Path(gguf_path).expanduser().resolve()
-    root = Path(cache_dir).expanduser() if cache_dir else envs.cache_root()
+    root = Path(cache_dir).expanduser() if cache_dir else envs.VLLM_CACHE_ROOT
     return str((root / "gguf" / f"{path.stem}-{_cache_key(path)}").absolute())
 
 
