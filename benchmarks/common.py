@@ -239,7 +239,8 @@ def run_variant(model, work: Workload, policy: str, reclamation: str, args) -> D
     return {**block_summary(outs, args.block_size), "seconds": secs,
             "memory_utilization": kv["mean_memory_utilization"],
             "relocation_events": kv["relocation_events"], "relocated_tokens": kv["relocated_tokens"],
-            "bytes_moved": kv["bytes_moved"], "hole_slots_reused": kv["hole_slots_reused"],
+            "bytes_moved": kv.get("bytes_moved", 0),      # absent: nothing relocates
+            "hole_slots_reused": kv["hole_slots_reused"],
             "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
@@ -255,17 +256,31 @@ def block_summary(outs, block_size: int) -> Dict[str, float]:
             "evicted_tokens": float(np.mean([k["evicted_tokens"] for k in ks]))}
 
 
-def sim_config_dir(vocab_size: int = 32000) -> str:
-    """A Llama-3.1-8B-shaped config.json in a temp dir (32 layers, 32 heads, 8 KV heads, head_dim
-    128) for --load-format simulate. The vocabulary is smaller than Llama-3.1's: it has no effect
-    on the KV plane and keeps the simulated logits cheap."""
+# Model shapes for --load-format simulate (the KV plane needs layers, KV heads and head_dim).
+SIM_SHAPES = {
+    "llama-3.1-8b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rope_theta=500000.0)),
+    "qwen2.5-14b": ("Qwen2Config", dict(
+        vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=32768, rope_theta=1000000.0,
+        architectures=["Qwen2ForCausalLM"])),
+}
+
+
+def sim_config_dir(vocab_size: Optional[int] = 32000, shape: str = "llama-3.1-8b") -> str:
+    """A config.json of a SIM_SHAPES shape in a temp dir for --load-format simulate (default:
+    Llama-3.1-8B, 32 layers, 32 heads, 8 KV heads, head_dim 128). vocab_size replaces the
+    shape's vocabulary (None keeps it): it has no effect on the KV plane, and a smaller one keeps
+    the simulated logits cheap."""
     import tempfile
     import transformers
+    cls, kw = SIM_SHAPES[shape]
     path = tempfile.mkdtemp(prefix="vtoken-sim-")
-    transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        max_position_embeddings=131072, rope_theta=500000.0).save_pretrained(path)
+    getattr(transformers, cls)(**dict(kw, vocab_size=vocab_size or kw["vocab_size"])
+                               ).save_pretrained(path)
     return path
 
 
