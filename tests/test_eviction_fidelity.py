@@ -15,10 +15,10 @@ from tests.conftest import random_prompts
 from tests.kernel_refs import paged_scene, prefill_meta
 from vllm import LLM, SamplingParams
 from vllm.attention.backend import PrefillSpan, paged_attention
-from vllm.config import EVICTION_POLICIES
+from vllm.config import eviction_policies
 from vllm.kernels import ops
 
-POLICIES = [p for p in EVICTION_POLICIES if p != "none"]
+POLICIES = [p for p in eviction_policies() if p != "none"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 NEVER = 10 ** 6          # a floor no request reaches: every policy scores, none evicts
 

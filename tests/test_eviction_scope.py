@@ -15,12 +15,12 @@ import pytest
 from tests.conftest import random_prompts
 from tests.server_utils import chat_model_dir, serve, wait_until_clean
 from vllm import KVEvictionParams, LLM, SamplingParams
-from vllm.config import EVICTION_POLICIES, KVEvictionConfig
+from vllm.config import eviction_policies, KVEvictionConfig
 from vllm.core.eviction import make_policy
 from vllm.engine.arg_utils import EngineArgs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-GENERATED = [p for p in EVICTION_POLICIES if p not in ("none", "snapkv")]   # snapkv: refused
+GENERATED = [p for p in eviction_policies() if p not in ("none", "snapkv")]   # snapkv: refused
 
 
 def ids(*xs):

@@ -9,14 +9,20 @@ import torch
 
 from vllm.attention.kv_quant import KV_CACHE_DTYPES
 
-EVICTION_POLICIES = ("none", "h2o", "scissorhands", "streamingllm", "sliding-window",
-                     "random", "tova", "snapkv", "knorm", "keydiff", "rkv", "value-random")
 EVICTION_SCOPES = ("all", "generated")   # which tokens a policy may evict and a budget counts
 DEFAULT_MIN_TOKENS = 512   # the floor under ratio budgets when no --kv-min-tokens is named
 RECLAMATION_MODES = ("vtoken", "vtoken-fill", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")
 QUANTIZATION_METHODS = ("auto", "gguf", "none")
+LOAD_FORMATS = ("auto", "dummy", "simulate")
+
+
+def eviction_policies() -> tuple:
+    """--kv-eviction-policy's values: "none" and the policy registry's names
+    (vllm.core.eviction.POLICY_CLASSES, imported here, at use, since it imports this module)."""
+    from vllm.core.eviction import POLICY_CLASSES
+    return ("none", *POLICY_CLASSES)
 
 
 def _check(cond: bool, flag: str, message: str) -> None:
@@ -62,6 +68,8 @@ class ModelConfig:
         _check(self.dtype in DTYPES, "--dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "--max-model-len",
                f"must be positive, got {self.max_model_len}")
+        _check(self.load_format in LOAD_FORMATS, "--load-format",
+               f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _check(self.quantization in QUANTIZATION_METHODS and self.quantization != "auto",
                "--quantization", f"must be resolved to gguf or none, got {self.quantization!r}")
         _check(self.quantization != "gguf" or self.quantization_file is not None,
@@ -168,8 +176,8 @@ class KVEvictionConfig:
     reclaim_force_sync: bool = False        # ablation: block on every relocation copy
 
     def __post_init__(self):
-        _check(self.policy in EVICTION_POLICIES, "--kv-eviction-policy",
-               f"must be one of {EVICTION_POLICIES}, got {self.policy!r}")
+        _check(self.policy in eviction_policies(), "--kv-eviction-policy",
+               f"must be one of {eviction_policies()}, got {self.policy!r}")
         _check(0.0 <= self.eviction_ratio < 1.0, "--kv-eviction-ratio",
                f"must be in [0, 1), got {self.eviction_ratio}")
         _check(self.budget_tokens is None or self.budget_tokens >= 1, "--kv-budget-tokens",

@@ -3,60 +3,50 @@
     LLM(...).generate(prompts, params, kv_eviction=KVEvictionParams(policy="h2o", budget_tokens=512))
     POST /v1/completions {"prompt": ..., "kv_eviction_policy": "h2o", "kv_budget_tokens": 512}
 
-Fields left None take the engine's value (its --kv-* flags); a request body names each field
-`body_field(name)`. The reclamation mode stays engine-wide: it decides where bytes live, not what
-a request computes. A budget named here is not raised by the engine's default floor; a floor the
-operator named (--kv-min-tokens) still applies (KVEvictionConfig.floor).
+Its fields are the engine flags marked per_request in EngineArgs (vllm/engine/arg_utils.py), each
+named as the KVEvictionConfig field it sets; a request body names each by the flag's own name
+(`body_field`). Fields left None take the engine's value. The reclamation mode stays engine-wide:
+it decides where bytes live, not what a request computes. A budget named here is not raised by
+the engine's default floor; a floor the operator named (--kv-min-tokens) still applies
+(KVEvictionConfig.floor).
 """
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+import re
+from typing import Dict, Optional
 
-from vllm.config import EVICTION_POLICIES, EVICTION_SCOPES, KVEvictionConfig
+from vllm.config import KVEvictionConfig
+from vllm.engine.arg_utils import flag_type, request_flags
 
-# body field of each KVEvictionParams field whose name is not kv_<field>
-_BODY_FIELDS = {"policy": "kv_eviction_policy", "scope": "kv_evict_scope",
-                "interval": "kv_evict_interval"}
+# KVEvictionParams field -> the engine flag (and request-body field) that sets it
+_FLAG_OF: Dict[str, str] = {f.metadata["kv"]: f.name for f in request_flags()}
 
 
-@dataclass(frozen=True)
-class KVEvictionParams:
-    policy: Optional[str] = None             # one of EVICTION_POLICIES ("none": no eviction)
-    eviction_ratio: Optional[float] = None   # in [0, 1): budget = floor((1 - r) * length)
-    budget_tokens: Optional[int] = None      # >= 1: a fixed budget instead of the ratio
-    min_tokens: Optional[int] = None         # >= 0: never fewer live tokens than this
-    prefill_chunk: Optional[int] = None      # >= 1: evict after every N prompt tokens
-    scope: Optional[str] = None              # all | generated (the prompt is never evicted)
-    interval: Optional[int] = None           # >= 1: evict at budget + N, back to the budget
+def _body_message(error: ValueError) -> str:
+    """KVEvictionConfig's message with each CLI flag named as its request-body field."""
+    return re.sub(r"--(kv-[a-z-]+)", lambda m: m.group(1).replace("-", "_"), str(error))
 
+
+class _KVEvictionParamsBase:
     @staticmethod
     def body_field(name: str) -> str:
-        """The OpenAI request body's name for field `name` (kv_<name> unless listed)."""
-        return _BODY_FIELDS.get(name, f"kv_{name}")
+        """The OpenAI request body's name for field `name`."""
+        return _FLAG_OF[name]
 
     def __post_init__(self):
-        # names as the OpenAI request bodies spell them
-        if self.policy is not None and self.policy not in EVICTION_POLICIES:
-            raise ValueError(f"kv_eviction_policy: must be one of {EVICTION_POLICIES}, "
-                             f"got {self.policy!r}")
-        if self.eviction_ratio is not None and not 0.0 <= self.eviction_ratio < 1.0:
-            raise ValueError(f"kv_eviction_ratio: must be in [0, 1), got {self.eviction_ratio}")
-        if self.budget_tokens is not None and self.budget_tokens < 1:
-            raise ValueError(f"kv_budget_tokens: must be >= 1, got {self.budget_tokens}")
-        if self.min_tokens is not None and self.min_tokens < 0:
-            raise ValueError(f"kv_min_tokens: must be >= 0, got {self.min_tokens}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"kv_prefill_chunk: must be >= 1, got {self.prefill_chunk}")
-        if self.scope is not None and self.scope not in EVICTION_SCOPES:
-            raise ValueError(f"kv_evict_scope: must be one of {EVICTION_SCOPES}, got {self.scope!r}")
-        if self.interval is not None and self.interval < 1:
-            raise ValueError(f"kv_evict_interval: must be >= 1, got {self.interval}")
+        # each field alone, by KVEvictionConfig's own rules; pairs are checked by `apply`
+        for name, value in self.given().items():
+            try:
+                KVEvictionConfig(**{name: value})
+            except ValueError as e:
+                raise ValueError(_body_message(e)) from None
+
+    def given(self) -> Dict[str, object]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     def apply(self, config: KVEvictionConfig) -> KVEvictionConfig:
         """The engine's config with this request's settings; a ratio given without a budget
         replaces the engine's fixed budget."""
-        # every field here is the KVEvictionConfig field of the same name
-        changes = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        changes = self.given()
         if self.eviction_ratio is not None and self.budget_tokens is None:
             changes["budget_tokens"] = None
         if self.policy is not None and self.policy != config.policy:
@@ -64,5 +54,16 @@ class KVEvictionParams:
         try:
             return dataclasses.replace(config, **changes)
         except ValueError as e:   # fields are checked alone above; what is left is a pair
-            # (snapkv under scope generated), named by the scope field
-            raise ValueError(f"kv_evict_scope: {str(e).split(': ', 1)[1]}") from None
+            # (snapkv under scope generated)
+            raise ValueError(_body_message(e)) from None
+
+
+KVEvictionParams = dataclasses.make_dataclass(
+    "KVEvictionParams",
+    [(f.metadata["kv"], Optional[flag_type(f)], dataclasses.field(default=None))
+     for f in request_flags()],
+    bases=(_KVEvictionParamsBase,), frozen=True)
+KVEvictionParams.__module__ = __name__
+KVEvictionParams.__doc__ = (
+    "One request's eviction settings; None takes the engine's flag. Fields (request-body name): "
+    + ", ".join(f"{name} ({body})" for name, body in _FLAG_OF.items()) + ".")
