@@ -1,8 +1,10 @@
 """Every VLLM_* environment variable the engine reads: name, default and meaning, in one place.
 
 Read them as attributes, `envs.VLLM_CPU_ISA`; each access reads the environment again, so a
-variable set (or monkeypatched) after import counts. No other module reads os.environ for a
-VLLM_* name (tests/test_envs.py). `reference()` renders this table for the docs.
+variable set (or monkeypatched) after import counts, unless the caller keeps what it read
+(vllm.kernels.ops reads VLLM_KERNEL_BACKEND once at import; cpu_kernels.active_isa() caches).
+No other module reads os.environ for a VLLM_* name (tests/test_envs.py). `reference()` renders
+this table for the docs.
 """
 import os
 from pathlib import Path
@@ -44,16 +46,17 @@ environment_variables: Dict[str, Tuple[Callable[[], Any], str, str]] = {
         lambda: os.environ.get("VLLM_CPU_KERNELS", "1") != "0", "1",
         "0: never build or load the C CPU kernels (every op takes its torch path)"),
     "VLLM_CPU_GEMM": (
-        lambda: os.environ.get("VLLM_CPU_GEMM") or "auto", "auto",
+        lambda: os.environ.get("VLLM_CPU_GEMM", "auto"), "auto",
         "auto | c | mkl | torch: force one CPU GEMM path in every batch band instead of the "
         "load-time plan"),
     "VLLM_KERNEL_BACKEND": (
         lambda: _str("VLLM_KERNEL_BACKEND"), "unset",
-        "cuda | triton | cpu | torch: force that attention / relocation path where an op has it"),
+        "cuda | triton | cpu | torch: force that attention / relocation path where an op has it "
+        "(read once, when vllm.kernels.ops is imported; ops.forced_backend() overrides it)"),
     "VLLM_RELOCATE_LIB": (
         lambda: _str("VLLM_RELOCATE_LIB"), "the checked-in library",
-        "CUDA: path of a relocation library to load instead of the checked-in one; 0 or none "
-        "skips it"),
+        "CUDA: path of a relocation library to load instead of the checked-in one; 0, none, "
+        "off or false skips it"),
     "VLLM_RELOCATE_DEBUG": (
         lambda: _flag("VLLM_RELOCATE_DEBUG"), "0",
         "1: range-check relocation slots on the host before every launch (a device sync)"),
@@ -80,8 +83,12 @@ def __dir__():
 
 
 def reference() -> str:
-    """The variables as a Markdown table (the docs' environment-variable reference)."""
+    """The variables as a Markdown table (the docs' environment-variable reference); a "|" in
+    a cell is escaped so that it does not end the cell."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
     rows = ["| Variable | Default | Meaning |", "|---|---|---|"]
-    rows += [f"| `{name}` | {default} | {meaning} |"
+    rows += [f"| `{name}` | {cell(default)} | {cell(meaning)} |"
              for name, (_, default, meaning) in environment_variables.items()]
     return "\n".join(rows) + "\n"

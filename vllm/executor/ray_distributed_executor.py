@@ -37,6 +37,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.distributed.tp_group import TPGroup
 from vllm.executor.tp_driver_executor import JOIN_TIMEOUT_S, TPDriverExecutor, rank_cores, \
@@ -144,8 +145,7 @@ class RayDistributedExecutor(TPDriverExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
         n = config.parallel_config.tensor_parallel_size
         cuda = torch.device(config.model_config.device).type == "cuda"
-        cpus = int(os.environ.get("VLLM_RAY_CPUS_PER_RANK", 0)) or \
-            len(rank_cores(0, n, self.cores))
+        cpus = envs.VLLM_RAY_CPUS_PER_RANK or len(rank_cores(0, n, self.cores))
         _acquire_ray(ray, None if cuda else max(os.cpu_count() or 1, n * cpus))
         self.actors: list = []
         self.groups: list = []

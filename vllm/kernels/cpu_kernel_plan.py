@@ -333,7 +333,7 @@ def _time_attention(heads: int, kv_heads: int, head_dim: int,
 
 # ---- the plan of one model ------------------------------------------------------------------
 def _forced() -> Optional[str]:
-    forced = os.environ.get("VLLM_CPU_GEMM", "auto")
+    forced = envs.VLLM_CPU_GEMM
     if forced not in ("auto", *GEMM_PATHS):
         raise ValueError(f"VLLM_CPU_GEMM={forced!r}: expected auto, c, mkl or torch")
     if forced == "mkl" and not mkl_available():

@@ -98,7 +98,7 @@ def runnable_isas() -> List[str]:
 @functools.lru_cache(maxsize=None)
 def active_isa() -> str:
     """VLLM_CPU_ISA if set (it must be runnable here), else the best runnable variant."""
-    forced = os.environ.get("VLLM_CPU_ISA") or None
+    forced = envs.VLLM_CPU_ISA
     runnable = runnable_isas()
     if forced is None:
         return runnable[0]
@@ -133,7 +133,7 @@ def _build(isa: str, source: Optional[Path] = None) -> Path:
 def library(isa: str, source: Optional[Path] = None) -> Optional[ctypes.CDLL]:
     """The kernels compiled for `isa` (which the caller checked this CPU runs), or None.
     `source`: another C file built the same way (its functions left for the caller to type)."""
-    if os.environ.get("VLLM_CPU_KERNELS", "1") == "0" or (source or SOURCE) is None:
+    if not envs.VLLM_CPU_KERNELS or (source or SOURCE) is None:
         return None
     try:
         lib = ctypes.CDLL(str(_build(isa, source)))

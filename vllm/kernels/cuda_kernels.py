@@ -57,13 +57,13 @@ def source_dir() -> Optional[Path]:
 
 
 def debug_build() -> bool:
-    return os.environ.get("VLLM_RELOCATE_DEBUG", "0") not in ("", "0")
+    return envs.VLLM_RELOCATE_DEBUG
 
 
 # ---- 1. the prebuilt library --------------------------------------------------------------------
 def prebuilt_path() -> Optional[Path]:
     """The library step 1 loads: $VLLM_RELOCATE_LIB, else the checked-in one; None: skipped."""
-    env = os.environ.get("VLLM_RELOCATE_LIB", "")
+    env = envs.VLLM_RELOCATE_LIB or ""
     if env.strip().lower() in ("0", "none", "off", "false"):
         return None
     if env:
@@ -196,7 +196,7 @@ def _load_prebuilt() -> bool:
     if path is None:
         logger.debug("prebuilt relocation library skipped (VLLM_RELOCATE_LIB)")
         return False
-    if not os.environ.get("VLLM_RELOCATE_LIB"):          # the checked-in one: hashes first
+    if not envs.VLLM_RELOCATE_LIB:          # the checked-in one: hashes first
         why = check_prebuilt(path)
         if why is not None:
             logger.warning("prebuilt CUDA relocation library not used: %s", why)

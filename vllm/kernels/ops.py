@@ -37,7 +37,6 @@ triton is imported, so it is only ever used there when asked for (tests).
 import contextlib
 import functools
 import importlib.util
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple
 
@@ -46,9 +45,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm import envs
 from vllm.attention import kv_quant
 
-_FORCED = os.environ.get("VLLM_KERNEL_BACKEND") or None
+_FORCED = envs.VLLM_KERNEL_BACKEND     # read once, at import: relocate_kv's CPU hot path tests it
 
 
 @contextlib.contextmanager
