@@ -1,17 +1,16 @@
 /* CPU decode kernels (float32, OpenMP), loaded with ctypes by vllm/kernels/cpu_kernels.py.
 
    Decode steps multiply a few rows by every weight matrix, so they are bound by how fast the
-   weights stream from memory. MKL's sgemm reaches about 8 GB/s on these shapes on our 2-core
-   machines; packing each weight once into column panels, streaming each panel once per pass of
-   up to ROWS input rows, and prefetching the next panels into L2 reaches 14-20 GB/s (AVX-512 host)
-   and 25-33 GB/s (AVX2 host) at batch 1.
+   weights stream from memory. Each weight is packed once into column panels; a pass streams each
+   panel once for up to ROWS input rows and prefetches the next panels into L2, so that the
+   weight stream, not the arithmetic or a late cache miss, sets the pace.
 
    Plain C with GCC vector extensions, no torch headers, one translation unit, built once per
    instruction set (vllm/kernels/cpu_kernels.py passes the -m flags and one of these macros):
      VTOK_ISA_AVX512  64-byte vectors, 32 registers: 8 x 1 and 12 x 2 vector GEMM blocks
      VTOK_ISA_AVX2    32-byte vectors, 16 registers: 3 x 1 (split chains) and 6 x 2
-                      (accumulators + weights + one broadcast fit in 16 ymm; more spill and
-                      run at half speed)
+                      (accumulators + weights + one broadcast fit in 16 ymm; a larger block
+                      spills)
      (neither)        generic: 16-byte vectors the compiler maps to SSE2, NEON or scalar code */
 #include <math.h>
 #include <stdint.h>
@@ -69,13 +68,12 @@ static inline __attribute__((always_inline)) vec load_w(const void *panel, int64
                                                         const int bf16) {
   if (!bf16) return load((const float *)panel + i);
 #if defined(VTOK_ISA_AVX2)
-  /* the portable form below compiles to a slower sequence on AVX2 (GCC): bf16 attention on the
-     AMD EPYC host took 1.2x float32's time with it, 0.95-0.97x with vpmovzxwd + vpslld */
+  /* GCC compiles the portable form below to a slower sequence on AVX2: widen with vpmovzxwd
+     (zero-extend to 32 bits) + vpslld (shift left 16) instead */
   return (vec)_mm256_castsi256_ps(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)panel + i))), 16));
 #elif defined(VTOK_ISA_AVX512)
-  /* the same on 16 lanes: on the Zen 4 host the portable form left bf16 attention at 0.74-0.77x
-     float32's decode tok/s and bf16 GEMMs took 1.1x this one's time */
+  /* the same on 16 lanes: the portable form is slower here too */
   return (vec)_mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + i))),
       16));
@@ -112,11 +110,10 @@ const char *vtok_isa(void) { return ISA_NAME; }
    PAIR_ROWS x 2 for more rows (each broadcast of x then feeds two FMAs: compute-bound).
    Where one panel stops paying: a one-panel pass issues a broadcast load of x per FMA, so from
    a few rows on the load ports, not the FMAs or the stream, set its pace; a pair halves those
-   loads. On the AMD EPYC Zen 4 host (one decode step's GEMMs, interleaved A/B), sweeping the
-   threshold: pairs instead of one panel took avx2 0.88-0.90x the time at 5-6 rows and
-   0.75-0.79x at 8-12, avx512 0.84-0.87x at 12-16 rows, and at up to 8 rows one zmm panel was as
-   fast or faster; this build against the one with thresholds 12 / 16: avx2 0.80-0.90x at 8-12
-   rows, avx512 0.89-0.92x at 12-16. Measured on that host only. */
+   loads. ROWS is that threshold per build, found by timing a decode step's GEMMs at each row
+   count: avx2 takes pairs from 4 rows, avx512 from 9 (a zmm panel row feeds 16 columns per
+   broadcast: up to 8 rows one panel is as fast), generic from 13. Other CPUs may prefer other
+   thresholds. */
 static inline __attribute__((always_inline)) void store_rows(
     vec acc[TILE][2], float *y, int64_t N, int cols, const float *bias, const float *residual,
     const int rows, const int width) {
@@ -157,12 +154,11 @@ static inline __attribute__((always_inline)) void panel_pass(
 }
 
 /* One panel for 1-3 rows: a single accumulator per row is one dependent FMA chain (one FMA
-   per FMA latency), too slow to keep up with the weight stream of 32-byte panel rows on the
-   AMD host; `split` chains over interleaved k (chain s takes k = s, s + split, ...) are summed
-   at the end. rows 1, split 4: acc[0][0..3], four independent FMAs per four panel rows. One
-   64-byte row per FMA keeps up with a single chain: on the AVX-512 Xeon, split 1 streamed one
-   row at 33-34 GB/s and splits 2-4 at 29-30 (batch-1 decode 52 -> 57 tok/s), so SPLIT_1ROW is
-   1 there. */
+   per FMA latency), which cannot keep up with a weight stream of 32-byte panel rows; `split`
+   chains over interleaved k (chain s takes k = s, s + split, ...) are summed at the end.
+   rows 1, split 4: acc[0][0..3], four independent FMAs per four panel rows. A 64-byte panel row
+   carries twice the weights per FMA, so a single chain keeps up with the stream and splitting
+   it only slows the stream: SPLIT_1ROW is 1 on avx512. */
 static inline __attribute__((always_inline)) void panel_pass_split(
     const float *x, int64_t K, const void *panel, float *y, int64_t N, int cols,
     const float *bias, const float *residual, const char *pf, const int rows,
@@ -224,8 +220,8 @@ static inline __attribute__((always_inline)) void panel_rows(
     const float *res = residual ? residual + m0 * N + p * PANEL : NULL;
     const int rows = M - m0 < tile ? (int)(M - m0) : (int)tile;
     /* the output lines this pass stores at its end, fetched for writing now: a prefill's y
-       (2,048 x 3,072 floats, 25 MB) misses every cache, and waiting for those lines at the
-       end of each pass cost 20% of the gate_up GEMM (AVX2 host) */
+       (2,048 x 3,072 floats, 25 MB) misses every cache, and each pass would otherwise wait
+       for those lines at its end */
     for (int r = 0; r < rows; r++) {
       __builtin_prefetch(ym + r * N, 1, 3);
       __builtin_prefetch(ym + r * N + cols - 1, 1, 3);
@@ -234,10 +230,9 @@ static inline __attribute__((always_inline)) void panel_rows(
        panels into L2, spread over its k loop, so later passes over these panels (from L2)
        overlap the next stream: 2 panels of K = 576 in 3 passes: each prefetches 3,072
        floats, 5.33 per k. More passes (prefill) are compute-bound; the first PREFETCH_PASSES
-       of them prefetch the next pair where PREFILL_PREFETCH: on the AMD EPYC Zen 4 host the
-       layer GEMMs at 128 / 2,048 rows took the avx2 build 0.93x the time with it, the avx512
-       build 1.01-1.03x (interleaved, same weights; not measured elsewhere). The two forms
-       are kept apart: merged into one expression the avx512 build's prefill ran 3% slower. */
+       of them prefetch the next pair only where PREFILL_PREFETCH (avx2: there it pays; on
+       avx512 it does not). The two forms are kept apart: merged into one expression, GCC
+       compiles slower avx512 prefill code. */
 #if PREFILL_PREFETCH
     const char *pf = (passes > PREFETCH_PASSES || prefetch) && m0 / tile < spread
                      ? next + (m0 / tile) * share * es : NULL;
@@ -260,16 +255,15 @@ static inline __attribute__((always_inline)) void panel_rows(
 }
 
 /* y [M, N] = x [M, K] @ W (+ bias [N]) (+ residual [M, N]), W packed; bias, residual may be NULL
-   and residual may be y itself. prefetch 0 turns the decode passes' next-panel prefetch off: on
-   the AMD EPYC Zen 4 host one row streamed 5-22% faster without it (the weight stream is then
-   all a pass does), 8-16 rows ran 25% slower; vllm/kernels/cpu_kernel_plan.py times both per band.
+   and residual may be y itself. prefetch 0 turns the decode passes' next-panel prefetch off:
+   from a few rows the prefetch overlaps the next stream with the arithmetic, but at one row the
+   weight stream is all a pass does and the prefetch can slow it down; which one wins depends on
+   the CPU, so vllm/kernels/cpu_kernel_plan.py times both per band.
    Up to ROWS rows: each thread streams its panels once. More rows:
    pairs of panels, PAIR_ROWS rows at a time (the pair stays in L1 / L2 between those passes).
    Past PREFETCH_PASSES passes (prefill) the rows go in blocks of X_BLOCK_BYTES of x, which stay
    in L2 while every pair of panels passes over them; 2,048 rows of K = 576 (4.7 MB of x) would
-   otherwise come from L3 once per pair. With the output prefetch below, a 2,048-row prefill
-   GEMM on 2 Xeon cores runs at 230-245 GFLOP/s with the avx2 build (MKL limited to AVX2: 237;
-   before: 187-203) and 384-395 with avx512. Block rows for K = 576: 262144 / 2304 = 113 -> 108
+   otherwise come from L3 once per pair. Block rows for K = 576: 262144 / 2304 = 113 -> 108
    (a multiple of the tile), at least PREFETCH_PASSES tiles. */
 #define X_BLOCK_BYTES (256 * 1024)
 static inline __attribute__((always_inline)) void packed_gemm(
@@ -327,9 +321,8 @@ static inline ivec as_bits(vec f) { ivec v; memcpy(&v, &f, sizeof v); return v; 
    output (V). 0x9c (e4m3, -0.25): sign-extended 0xff9c << 7 = 0xce00, & 0xbf80 = 0x8e00 = the
    half -2^-10 = -0.25 * 2^-8. F16C widens VEC halves at once (vcvtph2ps): per VEC bytes a load,
    a widening to 16 bits, one or two bit ops, a conversion. The generic build has no halves: it
-   looks each byte up in a table of the same values. Before (bit moves and a multiply in GCC
-   vector extensions on every build): GCC 12 widened the bytes lane by lane (a scalar load and
-   an insert per value), and the fp8 decode step ran at 0.6-0.7x float32's tok/s. */
+   looks each byte up in a table of the same values. Intrinsics, not GCC vector extensions: GCC
+   widens such bytes lane by lane (a scalar load and an insert per value). */
 #define KV_F32 0
 #define KV_E4M3 1
 #define KV_E5M2 2
@@ -339,12 +332,9 @@ static inline ivec as_bits(vec f) { ivec v; memcpy(&v, &f, sizeof v); return v; 
 #define SPREADS(fmt) ((fmt) == KV_E4M3 || (fmt) == KV_E5M2)  /* keys stored spread, as
                                                               kv_quant.spreads() */
 /* Whether attention reads a block's keys where they lie, widening them in registers once per
-   query head, or widens them once into an L1 buffer that every head reads. AVX2 (the AMD EPYC
-   host, G = 3 heads per KV head, 1,024-token contexts): in place, bf16 attention went from 1.1-1.4x
-   float32's time to 0.95-0.98x and fp8_e4m3 from 0.93x to 0.85x. AVX-512 on the AMD EPYC Zen 4
-   host (batch 32, 1,024 scattered keys, 2 threads): in place took 0.87x the buffer's time for
-   bf16, 0.79x for e4m3, 0.84x for e5m2. The buffer stays where widening is a table lookup
-   (generic). */
+   query head, or widens them once into an L1 buffer that every head reads. In place wherever
+   widening is a few vector instructions (the F16C builds, avx2 and avx512: bf16 and fp8 alike);
+   the buffer where widening is a table lookup (generic), for every format but float32. */
 #if defined(VTOK_ISA_AVX2) || defined(VTOK_ISA_AVX512)
 #define KEYS_IN_PLACE(fmt) 1
 #else
@@ -371,8 +361,8 @@ static inline vec fp8_load(const uint8_t *p, const int fmt) {
 #else
 /* generic: a table per format, byte -> its float as the F16C builds widen it, from the formats'
    definitions: e4m3 0x9c: sign 1, exponent 3, mantissa 4 -> -(8 + 4) * 2^(3 - 7 - 3) = -0.25,
-   then * 2^-8. Filled when the library loads; on the AMD host fp8 attention took 0.6x the time of
-   the bit moves and multiply this build had before (which GCC kept scalar on SSE2). */
+   then * 2^-8. Filled when the library loads: one lookup per byte, where the bit moves and
+   multiply would stay scalar on SSE2 (GCC). */
 static float fp8_table[2][256];
 
 static float fp8_value(unsigned b, int fmt) {
@@ -554,11 +544,9 @@ static inline __attribute__((always_inline)) void score_block(
 /* score_block for `heads` <= SCORE_HEADS query heads q[g * D] of one KV head, scores[g * lmax]:
    each bf16 / fp8 key vector is widened once for all of them, not once per head. Half a block
    at a time (heads x VEC / 2 accumulators: 24 of AVX-512's 32 registers at 3 heads), each half
-   folded by sum_each's own levels, so the scores are score_block's to the bit. Attention alone
-   on the AMD EPYC Zen 4 host (batch 32 x 1,024 keys, G = 3, 2 threads): fp8_e4m3 0.86x the
-   time on the avx512 and avx2 builds, bf16 0.95-0.99x. Keys read as float32 (the float32 cache,
-   the generic build's widened buffer) keep a score_block per head: there is no widening to
-   share, and the generic build's halves of 2 keys took 1.13x the time. */
+   folded by sum_each's own levels, so the scores are score_block's to the bit. Keys read as
+   float32 (the float32 cache, the generic build's widened buffer) keep a score_block per head:
+   there is no widening to share, so halving the block would only add the folds. */
 #define SCORE_HEADS 3
 static inline __attribute__((always_inline)) void score_heads(
     const float *q, const char *key[VEC], int64_t D, float scale, float *scores, int64_t lmax,
@@ -619,18 +607,13 @@ static void softmax(float *p, int64_t n, float sink) {
    slot (K and V of every KV head), which the hardware prefetchers do not follow, and the weights
    stream through the caches between layers, so K / V come from memory every step. Two distances:
    - into L2, PREFETCH_KEYS ahead, in the scores pass: the K rows, and for bf16 / fp8 the V rows
-     too (an fp8 row is one line), so many misses are in flight. Against 16 keys into L1, the
-     float32 decode step at 1,024 keys took 0.91x the time on the AMD EPYC Zen 4 host (one row)
-     and 0.81x at 16 rows of 512 keys; fp8 V with K: attention 1.05-1.17x faster.
-   - into L1, the next block's K rows and the V rows L1_AHEAD_VALUES keys ahead: with L2 alone
-     (Zen 4 fills only L2 on prefetcht1) the loads still waited on L2, perf put 24% of fp8
-     attention's cycles on a block's first key load and 44% on a V row's first load. Attention
-     alone on the Zen 4 host, 2 threads, huge pages, 30 layers, took (vs L2 alone): at batch 32 x
-     1,024 scattered keys, fp8_e4m3 0.52x the time on the avx512 build, 0.63x on avx2, 0.61x on
-     generic, bf16 0.83-0.98x, float32 0.77-0.91x (near the host's bandwidth already); at 16 x
-     512, fp8 0.49x and float32 0.74x; at one row of 1,024, fp8 0.69x and float32 0.72x.
-     float32 V rows go into L1 only: their L2 prefetch 64 keys ahead in the values pass, kept
-     beside the L1 one, took 1.09-1.31x the time of L1 alone. */
+     too (an fp8 row is one line), so that many misses are in flight at once; a short distance
+     into L1 alone leaves too few.
+   - into L1, the next block's K rows and the V rows L1_AHEAD_VALUES keys ahead: an L2 prefetch
+     alone leaves the loads waiting on L2 (some CPUs, Zen 4, fill only L2 on prefetcht1), at a
+     block's first key load and at each V row's first load.
+     float32 V rows go into L1 only: an L2 prefetch of them in the values pass beside the L1 one
+     costs more than it saves. */
 static inline __attribute__((always_inline)) void prefetch_row(const char *p, int64_t bytes,
                                                                const int into_l1) {
   for (int64_t i = 0; i < bytes; i += 64)
@@ -726,7 +709,7 @@ static inline __attribute__((always_inline)) void attend_group(
      widens a V vector once per pass that reads it: where G fits in twice AV_HEADS, each pass
      takes all G heads over AV_VECS / 2 vectors, so every value is widened once. G = 3 on avx2
      (AV_HEADS 2): 3 heads x 2 vectors in 4 passes instead of 2 + 1 heads x 4 vectors, which
-     widened each value twice; fp8 attention 1.08-1.12x faster on the AMD host. */
+     would widen each value twice. */
   const int64_t values = (KVH + kh) * D;                   /* offset of V in a slot's row */
   const int tall = fmt != KV_F32 && G > AV_HEADS && G <= 2 * AV_HEADS;
   const int hmax = tall ? 2 * AV_HEADS : AV_HEADS, vmax = tall ? AV_VECS / 2 : AV_VECS;
@@ -864,8 +847,8 @@ static void add_rms_norm(const float *h, int64_t M, int64_t N, const float *w, f
   }
 }
 
-/* out[m] = the first index of row m's largest value, x [M, N] (greedy sampling: torch's max
-   over a 49,152-token vocabulary ran at ~9 GB/s, 21 us a row on our 2-core hosts). Lanes keep
+/* out[m] = the first index of row m's largest value, x [M, N] (greedy sampling, in place of
+   torch's max over the vocabulary, which does not stream at memory speed). Lanes keep
    their first maximum (strict >), then the lowest index among lanes that hold the row's
    maximum wins. A NaN anywhere: the first NaN's index, as torch.argmax. */
 void vtok_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
@@ -968,8 +951,8 @@ void vtok_rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t KVH, int
 }
 
 /* ---- a whole decoder layer for a decode batch ---------------------------------------------------
-   The kernels above in sequence, with no interpreter between them: at batch 16 on our machine
-   the Python and torch glue around them cost about as much as the attention itself. */
+   The kernels above in sequence, with no interpreter between them: at decode batch sizes the
+   Python and torch glue of a per-op step is comparable to the attention itself. */
 
 /* A GEMM kept in GGUF blocks: the weights of quant_kernels.c's vq_gemm_parts (nparts weights
    side by side, each types[p] blocks of ns[p] rows), multiplied by `gemm`, that library's
@@ -1062,8 +1045,8 @@ int vtok_decode_layer(const vtok_layer *L, float *x, int64_t M, const float *cos
 
 /* The whole decoder stack for one decode step: vtok_decode_layer for layers[0 .. n), layer i's
    cache at kv + i * kv_layer_stride values (format fmt; fp8: layer i's K and V scales are
-   scales[2 i], scales[2 i + 1]). One call per step (the caller's per-layer call overhead,
-   ~10 us each from Python, adds up over 30 layers). 0, or -1 where a block GEMM failed. */
+   scales[2 i], scales[2 i + 1]). One call per step, so the cost of a call from Python is paid
+   once per step, not once per layer. 0, or -1 where a block GEMM failed. */
 int vtok_decode_layers(const vtok_layer *layers, int64_t n, float *x, int64_t M,
                         const float *cos, const float *sin, const int64_t *slot_mapping,
                         void *kv, int64_t kv_layer_stride, const int64_t *views,

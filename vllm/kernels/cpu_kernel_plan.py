@@ -12,10 +12,10 @@ least the L3, so that every timed call streams from memory as in a decode step o
 Decode attention is timed C vs torch, and on the built model the fused C decode layer
 (cpu_kernels.decode_layer) with and without the C GEMM's next-panel prefetch vs the per-op path:
 `prefetch` per band is what the C GEMMs then use in that band (the prefetch overlaps the weight
-stream with the arithmetic at 8-16 rows, but at one row on the AMD EPYC Zen 4 host it slowed the
-stream by 5-22%). Memory: each weight is kept in the layout of the path that wins most of its
-bands (ties: c); another layout is added only for a band where it is MARGIN faster than that one,
-at the cost in `as_dict()["extra_weight_bytes"]`.
+stream with the arithmetic from a few rows, but at one row, where the stream is all a pass does,
+it can slow the stream down). Memory: each weight is kept in the layout of the path that wins
+most of its bands (ties: c); another layout is added only for a band where it is MARGIN faster
+than that one, at the cost in `as_dict()["extra_weight_bytes"]`.
 
 Timing needs our cores: while other processes hold them (every multi-threaded call then waits a
 scheduler tick) it gives up after a few seconds and runs the C path everywhere, uncached (source
@@ -55,9 +55,8 @@ logger = logging.getLogger(__name__)
 BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, None))
 TIMED_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)      # each band timed at its largest row count
 GEMM_PATHS = ("c", "mkl", "torch")
-TIMING_VERSION = 6          # in the cache key: plans timed the old way retire (v1: a 64 MB pool,
-                            # v2: no prefetch choice, v3: candidates reading each other's copies,
-                            # v4: decode layer by the minimum of 8 calls, v5: no prefetch margin)
+TIMING_VERSION = 6          # in the cache key; raised whenever how a plan is timed changes, so
+                            # that plans timed the old way are timed again, not read
 MARGIN = 0.20               # a second layout of a weight must be this much faster in its band
 STREAM_BYTES = 64 << 20     # weights timed on copies of at least this (and of the L3 size, up to
 MAX_STREAM_BYTES = 1 << 30  # this) so that every timed call streams its weight from memory
@@ -134,8 +133,8 @@ class HostBusy(Exception):
 
 
 def _region_seconds() -> float:
-    """The cheapest of a few near-empty multi-threaded C calls: ~5 us on an idle host, a
-    scheduler tick (~4 ms) when another process runs on a core our threads need."""
+    """The cheapest of a few near-empty multi-threaded C calls: microseconds on an idle host, a
+    scheduler tick (milliseconds) when another process runs on a core our threads need."""
     x, w = torch.zeros(1, 16), cpu_kernels.pack_weight(torch.zeros(16, 16))
     best = math.inf
     for _ in range(5):
@@ -200,15 +199,15 @@ def _rounds(candidates: Dict[str, Iterator[Callable[[], object]]],
 
 def _min_seconds(candidates: Dict[str, Iterator[Callable[[], object]]]) -> Dict[str, float]:
     """Min over CALLS timed calls of each candidate. On a shared host a call that another process
-    preempts costs a scheduler tick (~4 ms), so the minimum of single calls, not the sum of
+    preempts costs a scheduler tick (milliseconds), so the minimum of single calls, not the sum of
     many, is the cost of the kernel itself."""
     return {name: min(ts) for name, ts in _rounds(candidates, CALLS).items()}
 
 
 def paired(a: List[float], b: List[float]) -> float:
     """Median over rounds of a's time / b's time in the same round: below 1, a is faster. Each
-    ratio compares calls made a moment apart, so the host's drift between rounds (memory
-    bandwidth moves by half within minutes here) and one preempted call cancel out, where two
+    ratio compares calls made a moment apart, so the host's drift between rounds (a shared
+    host's memory bandwidth moves within minutes) and one preempted call cancel out, where two
     minima taken at different moments need not (see choose_decode_layer)."""
     return statistics.median(x / y for x, y in zip(a, b))
 
@@ -218,10 +217,9 @@ def _round_robin(calls: Dict[str, List[Callable[[], object]]]
     """_min_seconds iterators for candidates that share one pool of n copies (the model's
     layers, attention's K/V): as the candidates take turns, the t-th timed call reads copy
     t mod n, so no copy is read again before every other one has been. Each cycling through
-    the pool from the start, the candidate after another read the copy just pulled into L3: on
-    the AMD EPYC Zen 4 host (32 MB L3, 14 MB layers) the fused layer without prefetch and the
-    per-op path, timed right after the fused layer on the same layer's weights, won bands where
-    they run 20% slower. 3 candidates, 5 copies: a reads 0 3 1 4 2 .., b 1 4 2 0 3 .., c 2 0 3 .."""
+    the pool from the start, the candidate after another would read the copy just pulled into
+    L3 (a layer is smaller than the L3) and win bands it loses when it streams from memory.
+    3 candidates, 5 copies: a reads 0 3 1 4 2 .., b 1 4 2 0 3 .., c 2 0 3 .."""
     k, n = len(calls), len(next(iter(calls.values())))
     assert all(len(fns) == n for fns in calls.values())
 
@@ -231,8 +229,8 @@ def _round_robin(calls: Dict[str, List[Callable[[], object]]]
 
 
 def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size from sysfs (0 if unknown): 32 MB on our AMD EPYC hosts,
-    480 MB (the whole socket's, shared) on an Intel Xeon one."""
+    """The largest CPU cache's size from sysfs (0 if unknown); a cache the whole socket shares
+    counts whole, though this process gets only part of it."""
     sizes = [0]
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
@@ -248,9 +246,8 @@ def last_level_cache_bytes() -> int:
 def pool_bytes() -> int:
     """Bytes of copies a timed weight cycles through, so that each call streams it from memory,
     as in a decode step over all layers. A pool smaller than the L3 stays cached and flatters
-    whichever path computes fastest: on the 480 MB-L3 Xeon, x @ W at one row streamed a 64 MB
-    pool at 42-44 GB/s and the C GEMM at 34-37, while from memory (256 MB or more) both ran at
-    28-30 GB/s."""
+    whichever path computes fastest, where from memory the paths stream at about the same
+    speed: hence at least the L3 and STREAM_BYTES, up to MAX_STREAM_BYTES."""
     return min(max(STREAM_BYTES, last_level_cache_bytes()), MAX_STREAM_BYTES)
 
 
@@ -410,11 +407,10 @@ def choose_decode_layer(plan: KernelPlan, step: Optional[Callable[[int, bool, bo
     up to 128 rows: the fused layer with and without prefetch, and the per-op path with it, in
     LAYER_CALLS rounds. Keep the prefetch of the fused layer where it is PREFETCH_MARGIN faster
     in the median round (paired), and the faster of fused and per op likewise; cache the plan.
-    The margin: one layer's calls time the prefetch within a few % of its cost in a whole step,
-    either way, and at one row on the AMD EPYC Zen 4 host (both builds) the whole step ran
-    1.16-1.20x slower with it while single-layer rounds had it 4% ahead once (and the minima of 8
-    single-layer calls, the rule before, had kept it); from 4 rows, where it pays, it wins by
-    10-40%. step None: the model has no fused layer (prefetch stays on)."""
+    The margin: one layer's calls misjudge the prefetch's cost in a whole step by a few
+    percent either way, so a small win in single-layer rounds is no evidence; where the
+    prefetch pays (from a few rows) it wins by far more than the margin. step None: the model
+    has no fused layer (prefetch stays on)."""
     if plan.source != "timed":
         return
     t0, others = time.perf_counter(), OthersCpu()
