@@ -1,11 +1,9 @@
 """WeightArena: one anonymous mapping, advised for transparent huge pages, that holds a CPU
 model's GEMM weights in the layouts its kernels read.
 
-A decode step streams every weight once (540 MB for the default model), so at small batches it
-runs at the rate memory delivers them. With 4 KB pages that stream also walks a page table per
-4 KB, which in a virtual machine (nested paging) costs a share of the bandwidth: the C GEMM at
-one row streamed 28 GB/s from 4 KB pages and 33 GB/s from 2 MB pages on 2 Xeon cores (avx2
-build; csrc/cpu/decode_kernels.c). The arena is one huge_pages.mapping(), advised before any
+A decode step streams every weight once, so at small batches it runs at the rate memory
+delivers them. With 4 KB pages that stream also walks a page table per 4 KB, which in a virtual
+machine (nested paging) costs a share of the bandwidth; 2 MB pages walk one per 2 MB. The arena is one huge_pages.mapping(), advised before any
 weight is written into it and sized once for the whole model (`take` hands out consecutive
 slices).
 """

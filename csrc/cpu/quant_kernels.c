@@ -835,10 +835,9 @@ ALWAYS_INLINE void tile_rows(const int TYPE, const int MR, const tile_block *t, 
 
 
 #if defined(VTOK_ISA_AVX512)
-/* vpdpwssd takes ~5 cycles and issues one a cycle: a row's products go to NCHAIN(MR)
-   accumulators (pair g to chain g % NCHAIN, which divides 8) so that 4+ chains are in flight,
-   then are summed (integers: the same sum in any order). One chain a row: batch 16 and 32
-   decode 8% and 6% slower, prefill 3% (Intel Xeon, AVX-512 VNNI) */
+/* vpdpwssd has a latency of several cycles and issues one a cycle: a row's products go to
+   NCHAIN(MR) accumulators (pair g to chain g % NCHAIN, which divides 8) so that 4+ chains are in
+   flight, then are summed (integers: the same sum in any order). */
 #define NCHAIN(MR) ((MR) == 1 ? 4 : 2)
 static inline __m512i sum_chains(const __m512i *c, int n) {
     __m512i s = c[0];

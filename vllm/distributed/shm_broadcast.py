@@ -1,10 +1,8 @@
 """ShmBroadcast: rank 0's picklable object on every rank of one host, through shared memory (the
 step input and the executor's other calls).
 
-gloo's broadcast of a decode step's input (two broadcasts: length, bytes) blocks rank 0 ~0.6 ms
-and reaches rank 1 ~0.55 ms after the send on the 2-core AMD EPYC host; through shared memory
-the send is a copy and rank 1 holds the object ~0.12 ms after it (benchmarks/benchmark_tp.py,
-part 2). A rank waits here between steps, so its wait has no timeout: it lasts as long as the
+Through shared memory the send is one copy of the pickled bytes, with no second broadcast for
+the length (benchmarks/benchmark_tp.py, part 2, compares it with gloo's). A rank waits here between steps, so its wait has no timeout: it lasts as long as the
 engine is idle and ends with an error only when rank 0 is gone.
 
 Layout (an ShmSegment): N counters, one cache line each, a length (one line), then `capacity`

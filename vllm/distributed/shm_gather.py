@@ -1,8 +1,7 @@
 """ShmGather: rank 0 gets every rank's [rows, width] float32 block through shared memory (the
 vocabulary-parallel logits: rank r holds the vocabulary columns r*width .. (r+1)*width).
 
-gloo's gather of batch-32 logit shards (32 x 24,576 floats from rank 1) costs ~2.3 ms on the
-2-core AMD EPYC host; this one costs one copy on each side (benchmarks/benchmark_tp.py).
+A gather costs one copy on each side (benchmarks/benchmark_tp.py compares it with gloo's).
 
 Layout (an ShmSegment): N counters, one cache line each, then one slot of max_floats per rank
 1..N-1. counter[r] (r > 0): rank r has written call k into its slot; counter[0]: rank 0 has read

@@ -81,7 +81,7 @@ class ShmSegment:
 
     def wait_for(self, counters: np.ndarray, k: int, what: str, spin_s: float = SPIN_S,
                  max_nap_s: float = NAP_S) -> None:
-        """Until every counter is >= k. (min of .tolist(): ~0.5 us a look, numpy's min ~3 us.)
+        """Until every counter is >= k. (min of .tolist(): cheaper a look than numpy's min on a few counters.)
         Naps start at NAP_S and double up to max_nap_s: a waiter that may wait long (for the
         next step of an idle engine) wakes the core a few hundred times a second, not 5,000."""
         if min(counters.tolist()) >= k:

@@ -6,9 +6,8 @@
     broadcast_object(x)   rank 0's picklable x on every rank (the step input, control calls)
 
 On one host (the mp executor, CPU) each has a shared-memory path, sized by the caller:
-float32 sums up to `shm_floats` (ShmAllReduce, ~25x faster than gloo's all-reduce on the 2-core
-host), gathers up to `shm_gather_floats` per rank (ShmGather), objects up to
-`shm_broadcast_bytes` pickled (ShmBroadcast). Larger ones, other ops, other devices (NCCL) and
+float32 sums up to `shm_floats` (ShmAllReduce), gathers up to `shm_gather_floats` per rank
+(ShmGather), objects up to `shm_broadcast_bytes` pickled (ShmBroadcast). Larger ones, other ops, other devices (NCCL) and
 ranks on other hosts (Ray) use the process group; so does everything when /dev/shm has no room.
 Rank 0 creates the segments and names them in the store (an empty name: none); shutdown()
 removes them.

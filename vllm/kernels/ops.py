@@ -343,8 +343,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                            mask[s:s + SINK_QUERY_TILE], scale, sinks)[0]
                           for s in range(0, lq, SINK_QUERY_TILE)], dim=1)
     # a batch dimension: the fused SDPA kernels (CUDA's, and the CPU flash kernel) take 4-d
-    # inputs only; 3-d ones run the math kernel, ~2x slower on CPU (16 x 128-token prompts of
-    # the default model: 6.7 -> 3.4 ms a layer)
+    # inputs only; 3-d ones run the math kernel
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                           is_causal=mask is None, scale=scale,
                                           enable_gqa=True)[0]

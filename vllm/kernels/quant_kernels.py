@@ -77,7 +77,7 @@ def library(isa: str) -> Optional[ctypes.CDLL]:
 
 @functools.lru_cache(maxsize=None)
 def _has_f16c() -> bool:
-    """(Cached: reading /proc/cpuinfo costs ~0.1 ms, more than a decode GEMM.)"""
+    """(Cached: it reads /proc/cpuinfo.)"""
     return any(line.startswith("flags") and "f16c" in line.split()
                for line in cpu_kernels._cpu_model().splitlines())
 
