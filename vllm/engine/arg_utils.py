@@ -79,7 +79,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = flag(
         True, "split long prompts across steps, batched with decodes", negatable=True)
     seed: int = flag(0, "seed of sampling and of the random eviction policies", kv="seed")
-    enforce_eager: bool = flag(False, "accepted for upstream compatibility (always eager)")
+    enforce_eager: bool = flag(False, "CUDA: capture no CUDA graphs (every decode step runs "
+                               "eagerly); the CPU is always eager")
     load_format: str = flag(
         "auto", "dummy: seeded random weights from the model directory's config.json alone; "
         "simulate: skip model math and emit seeded synthetic attention statistics",
