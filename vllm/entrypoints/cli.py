@@ -1,4 +1,5 @@
-"""The `vllm` console script: `vllm serve [MODEL] [engine and server flags]`, `vllm --version`."""
+"""The `vllm` console script: `vllm serve [MODEL] [engine and server flags]`,
+`vllm bench serve | throughput | latency [flags]`, `vllm --version`."""
 import argparse
 import sys
 from typing import List, Optional
@@ -28,11 +29,32 @@ def _serve(args: argparse.Namespace) -> None:
     run_server(args)
 
 
+BENCHMARKS = {   # `vllm bench NAME` -> (module under vllm.benchmarks, help)
+    "latency": ("latency", "the latency of one batch of requests, offline"),
+    "serve": ("serve", "online serving throughput and latency against a running server"),
+    "throughput": ("throughput", "offline throughput of the engine on a batch of requests"),
+}
+
+
+def _bench_parser(sub) -> None:
+    import importlib
+    p = sub.add_parser("bench", help="benchmark the online server or the offline engine",
+                       description="Benchmarks with upstream vLLM's flags and result keys.")
+    kinds = p.add_subparsers(dest="bench_type", metavar="BENCH_TYPE", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        module = importlib.import_module(f"vllm.benchmarks.{module_name}")
+        q = kinds.add_parser(name, help=help_text, description=module.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_cli_args(q)
+        q.set_defaults(func=module.main)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm", description="vLLM fork with vToken")
     parser.add_argument("-v", "--version", action="version", version=vllm.__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
