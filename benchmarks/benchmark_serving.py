@@ -313,17 +313,30 @@ def variant_scans(args, model, work, points, blocks, max_seqs):
     return scans
 
 
-def report(args, scans, key, ref, blocks, label, plen, olen):
-    """Table, PNG and JSON (results/benchmark_serving[_rate])."""
-    sla, rows, summary = select(scans, key, ref)
+def report(args, runs, key, ref, blocks, label, plen, olen):
+    """Table, PNG and JSON (results/<--out>). runs: one set of variant scans per --repeats; each
+    run selects its own points against its own SLA, and vs_naive is the median over runs with
+    its spread (min, max)."""
+    selected = [select(scans, key, ref) for scans in runs]
+    sla, rows, summary = selected[0]
+    for s in summary:
+        ratios = [next(t for t in other if t["variant"] == s["variant"])["vs_naive"]
+                  for _, _, other in selected]
+        ratios = [r for r in ratios if r is not None]
+        s["vs_naive_runs"] = ratios
+        s["vs_naive"] = statistics.median(ratios) if ratios else None
+        s["spread"] = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else None
+    scans = runs[0]
     loop = "Closed-loop" if key == "C" else "Open-loop (Poisson)"
+    work = {"longbench": "LongBench-style", "sharegpt": "ShareGPT"}[args.dataset_name]
     title = (f"{loop} serving scan, {args.policy} ratio {args.ratio}, {blocks} KV blocks, "
-             f"LongBench-style {plen}-token prompts + {olen} tokens; SLA = 1.05 x Naive-Evict "
-             f"p95 at {key}={ref} = {sla:.2f}s; {label}; {common.machine()}")
+             f"{work} prompts up to {plen} tokens + {olen} tokens; SLA = 1.05 x Naive-Evict "
+             f"p95 at {key}={ref} = {sla:.2f}s (first run); {label}; {common.machine()}")
     text = common.table(rows, ["variant", key, "tok_s", "p50_s", "p95_s", "meets_sla"], title)
-    text += "\n" + common.table(summary, ["variant", f"{key}_sel", "tok_s", "p95_s", "vs_naive"],
-                                f"Selected feasible point {key}_sel (highest throughput within "
-                                f"SLA)")
+    text += "\n" + common.table(
+        summary, ["variant", f"{key}_sel", "tok_s", "p95_s", "vs_naive", "spread"],
+        f"Selected feasible point {key}_sel (highest throughput within SLA), first run; vs_naive: "
+        f"median over {len(runs)} run(s), spread min-max")
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5.5, 3.4))
     for name, rs in scans.items():
@@ -333,17 +346,26 @@ def report(args, scans, key, ref, blocks, label, plen, olen):
     ax.axvline(sla, color="gray", ls="--", lw=0.8, label="SLA")
     ax.set_xlabel("p95 request latency (s)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"{loop} scan, {args.policy} {args.ratio}, {blocks} blocks; {label}", fontsize=8)
+    ax.set_title(f"{loop} scan, {args.policy} {args.ratio}, {work}, {blocks} blocks; {label}",
+                 fontsize=8)
     ax.legend(fontsize=7)
-    common.save("benchmark_serving" + ("" if key == "C" else "_rate"),
-                {"args": vars(args), "model": label, "sla_s": sla, "rows": rows,
-                 "summary": summary, "table": text}, fig)
+    name = args.out or "benchmark_serving" + ("" if key == "C" else "_rate")
+    common.save(name, {"args": vars(args), "model": label, "dataset": args.dataset_name,
+                       "sla_s": sla, "rows": rows, "summary": summary, "table": text,
+                       "runs": [{"sla_s": r[0], "summary": r[2]} for r in selected]}, fig)
 
 
 def parser():
     p = common.base_parser(__doc__)
     p.add_argument("--url", default=None, help="scan this running server only (no variants)")
     p.add_argument("--policy", default="random")
+    p.add_argument("--dataset-name", default="longbench", choices=["longbench", "sharegpt"],
+                   help="the scan's workload: LongBench-style long prompts or ShareGPT chats")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every variant's scan this many times; vs_naive is the median, "
+                        "with its spread")
+    p.add_argument("--out", default=None,
+                   help="result name (default benchmark_serving[_rate])")
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--blocks", type=int, default=None, help="KV block budget of every variant")
     p.add_argument("--levels", type=int, nargs="+", default=None)
@@ -389,17 +411,21 @@ def main():
     if ref not in [point[key] for point in points]:
         p.error(f"the SLA's reference {key}={ref} is not one of the scan's points")
     plen, olen = (192, 64) if args.quick else (384, 128)
-    work = common.workload("longbench", 16, tok, plen, olen, args, fixed_output=True)
+    work = common.workload(args.dataset_name, 16, tok, plen, olen, args, fixed_output=True)
     if args.url:
         import httpx
         name = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
         rows = scan(args.url, name, work, points, args, print)
         common.table(rows, [key, "requests", "tok_s", "p50_s", "p95_s", "ttft_p95_s"], args.url)
         return
-    full = -(-(plen + 40 + olen) // 16)
-    blocks = args.blocks or full * c_ref * 5 // 8     # Native fits ~5/8 of C_ref requests
-    scans = variant_scans(args, model, work, points, blocks, max(levels))
-    report(args, scans, key, ref, blocks, label, plen, olen)
+    mean_prompt = statistics.mean(len(prompt) for prompt, _ in work)
+    full = math.ceil((mean_prompt + olen) / 16)      # a mean request's blocks, never evicting
+    longest = math.ceil(max(len(prompt) + olen for prompt, _ in work) / 16)
+    # Native fits ~5/8 of C_ref mean requests, and the longest request fits alone
+    blocks = args.blocks or max(full * c_ref * 5 // 8, longest + 1)
+    runs = [variant_scans(args, model, work, points, blocks, max(levels))
+            for _ in range(args.repeats)]
+    report(args, runs, key, ref, blocks, label, plen, olen)
 
 
 if __name__ == "__main__":
