@@ -1,22 +1,35 @@
 """The rest of upstream vLLM's OpenAI server surface, on a tiny model through the openai client
 (raw httpx where the client cannot say it): token-level fields (prompt_logprobs, echo,
 return_tokens_as_token_ids, allowed_token_ids), chat echo / continue_final_message, streaming
-finish chunks and usage, server flags and routes, error wording, and usage.kv opt-in.
+finish chunks and usage, server flags and routes, error wording, usage.kv opt-in, upstream's
+response shapes (/version, system_fingerprint, added tokens, a forced tool call's content),
+sleep mode (server, LLM, tensor parallelism) and the API key on every route.
 
 Where upstream's behaviour is a choice (a status code, a message text) the test says so."""
+import gc
 import json
+import os
 import re
 import subprocess
 import threading
 import time
+import weakref
 
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
-from tests.server_utils import (chat_model_dir, interrupt, openai_client, serve, served,
-                                vllm_command, wait_healthy, wait_until_clean)
+import vllm
+from tests.server_utils import (ServerThread, chat_model_dir, interrupt, make_engine,
+                                openai_client, serve, served, vllm_command, wait_healthy,
+                                wait_until_clean)
+from vllm import LLM, SamplingParams
+from vllm.engine.llm_engine import EngineSleepingError
+from vllm.entrypoints.openai.api_server import build_app
+from vllm.entrypoints.openai.fingerprint import system_fingerprint
 from vllm.entrypoints.openai.server_options import ServerOptions
+from vllm.entrypoints.openai.tokenizer_info import ADDED_TOKEN_FIELDS, tokenizer_config
 
 PROMPT = "w10 w20 w30 w40"
 CHAT = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8 w9"}]
@@ -416,3 +429,323 @@ def test_kv_usage_is_opt_in(server, flagged):
         UPSTREAM_USAGE_KEYS
     # --kv-usage-in-response: always
     assert "kv" in post(flagged.url + "/api/v1/chat/completions", chat).json()["usage"]
+
+
+# ---- 7. upstream's shapes ----------------------------------------------------------------------
+TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "examples",
+                        "tool_chat_template_hermes.jinja")
+KEY = "sk-surface"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_llama_bytes):
+    """The byte-level model (any text is a prompt) with the Hermes tool template, --api-key,
+    --enable-sleep-mode, --enable-tokenizer-info-endpoint and prefix caching."""
+    options = ServerOptions(enable_sleep_mode=True, enable_tokenizer_info_endpoint=True)
+    engine = make_engine(tiny_llama_bytes, num_gpu_blocks_override=128,
+                         enable_prefix_caching=True)
+    srv = ServerThread(build_app(engine, ["tiny"], api_key=KEY, chat_template=TEMPLATE,
+                                 options=options))
+    with srv:
+        srv.engine = engine
+        yield srv
+        wait_until_clean(engine)
+
+
+def keyed_post(srv, path, body=None, **kw):
+    return httpx.post(srv.url + path, json=body, headers=AUTH, timeout=60, **kw)
+
+
+def test_version_is_upstreams_shape(server):
+    assert httpx.get(server.url + "/version").json() == {"version": vllm.__version__}
+
+
+def test_system_fingerprint_is_the_same_through_invocations(server, flagged):
+    """Upstream's default form, vllm-<version>-<hash of the configuration>, on every whole
+    response; /invocations answers as the endpoint it stands for."""
+    fp = system_fingerprint(server.engine.engine)
+    assert re.fullmatch(rf"vllm-{re.escape(vllm.__version__)}-[0-9a-f]{{8}}", fp)
+    chat = {"messages": CHAT[:1], "max_tokens": 2}
+    cmpl = {"prompt": PROMPT, "max_tokens": 2}
+    for path, body in (("/v1/chat/completions", chat), ("/invocations", chat),
+                       ("/v1/completions", cmpl), ("/invocations", cmpl)):
+        out = post(server.url + path, body).json()
+        assert out["system_fingerprint"] == fp, path
+        assert "service_tier" in out and out["service_tier"] is None      # upstream's keys
+    other = post(flagged.url + "/api/v1/completions", cmpl).json()["system_fingerprint"]
+    assert other == system_fingerprint(flagged.engine.engine) != fp    # --max-num-seqs 8
+
+
+def _added_tokens_of_tokenizer_json(model_dir: str) -> dict:
+    """An independent source: tokenizer.json's added_tokens, as tokenizer_config.json writes
+    added_tokens_decoder."""
+    with open(os.path.join(model_dir, "tokenizer.json")) as f:
+        added = json.load(f)["added_tokens"]
+    return {str(t["id"]): {k: t[k] for k in ADDED_TOKEN_FIELDS} for t in added}
+
+
+def test_tokenizer_info_lists_added_tokens_whole(flagged, model_dir):
+    info = httpx.get(flagged.url + "/api/tokenizer_info").json()
+    special = dict(lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
+    assert info["added_tokens_decoder"] == {"0": {"content": "<unk>", **special},
+                                            "1": {"content": "<s>", **special},
+                                            "2": {"content": "</s>", **special}}
+    assert info["added_tokens_decoder"] == _added_tokens_of_tokenizer_json(model_dir)
+    assert info["eos_token"] == "</s>"                 # other special tokens: their text
+
+
+def test_tokenizer_info_of_the_default_models_tokenizer():
+    from vllm.model_executor.gguf_loader import resolve_model
+    try:
+        model_dir = resolve_model(None)
+    except (OSError, ValueError) as e:
+        pytest.skip(f"the default model is not installed: {e}")
+    info = tokenizer_config(AutoTokenizer.from_pretrained(model_dir), None)
+    added = info["added_tokens_decoder"]
+    assert added == _added_tokens_of_tokenizer_json(model_dir)
+    assert added["0"]["content"] == "<|endoftext|>" and added["2"]["content"] == "<|im_end|>"
+    assert all(set(t) == set(ADDED_TOKEN_FIELDS) for t in added.values())
+    json.dumps(info)                                    # the whole body is JSON
+
+
+@pytest.fixture(scope="module")
+def no_ws(tiny_llama_bytes):
+    """The random model would fill free JSON whitespace until max_tokens."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama_bytes)
+    return {str(tok.convert_tokens_to_ids(t)): -100 for t in ("Ġ", "Ċ", "ĉ", "č")}
+
+
+ONE_ARG = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+TOOL_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 40,
+             "tools": [{"type": "function", "function": {"name": "f", "parameters": ONE_ARG}}]}
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "f"}}, "required"])
+def test_forced_tool_call_content_is_empty_string(keyed, no_ws, choice):
+    """upstream: a named (or required) call's message has content "" (not null); streamed, the
+    role chunk's content is "" and the call's deltas carry no content."""
+    body = {**TOOL_BODY, "tool_choice": choice, "logit_bias": no_ws, "seed": 1,
+            "parallel_tool_calls": False, "max_tokens": 80}
+    whole = keyed_post(keyed, "/v1/chat/completions", body).json()
+    message = whole["choices"][0]["message"]
+    assert "content" in message and message["content"] == ""
+    assert message["tool_calls"][0]["function"]["name"] == "f"
+    events = sse_events(keyed_post(keyed, "/v1/chat/completions", {**body, "stream": True}).text)
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert all(d.get("content") in (None, "") for d in deltas)
+    assert any(d.get("tool_calls") for d in deltas)
+
+
+# ---- 8. sleep mode -----------------------------------------------------------------------------
+GREEDY_BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12,
+               "temperature": 0, "ignore_eos": True}
+
+
+def _greedy_tokens(srv) -> list:
+    out = keyed_post(srv, "/v1/completions", {**GREEDY_BODY, "logprobs": 0}).json()
+    return out["choices"][0]["logprobs"]["tokens"]
+
+
+def _is_sleeping(srv) -> bool:
+    return httpx.get(srv.url + "/is_sleeping", headers=AUTH).json()["is_sleeping"]
+
+
+def _assert_refused_while_asleep(srv) -> None:
+    """Generation is a 503 (our choice: upstream has no check) on every route, streamed too,
+    before any response begins; the tokenizer and /health still answer."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", GREEDY_BODY), ("/v1/chat/completions", chat),
+                       ("/invocations", chat),
+                       ("/v1/completions", {**GREEDY_BODY, "stream": True})):
+        r = keyed_post(srv, path, body)
+        assert r.status_code == 503, (path, r.text)
+        assert r.json()["error"]["type"] == "service_unavailable"
+        assert "sleeping" in r.json()["error"]["message"]
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert keyed_post(srv, "/tokenize", {"prompt": "ab"}).status_code == 200
+
+
+def test_sleep_level_1_releases_the_kv_pool(keyed):
+    llm_engine = keyed.engine.engine
+    before = _greedy_tokens(keyed)
+    held = llm_engine.model_executor.held_bytes()
+    assert held["kv_cache"] > 0 and held["weights"] > 0
+    assert llm_engine.kv.bm.pool.hashed.any()            # the prompt's blocks are cached
+    pool = weakref.ref(llm_engine.kv_caches)
+    assert keyed_post(keyed, "/sleep?level=1").status_code == 200
+    assert _is_sleeping(keyed)
+    gc.collect()
+    assert pool() is None and llm_engine.kv_caches is None          # the tensor is gone
+    assert llm_engine.model_executor.held_bytes() == {"kv_cache": 0, "weights": held["weights"]}
+    bm = llm_engine.kv.bm
+    assert bm.num_free_blocks == bm.num_blocks and not bm.pool.hashed.any()
+    _assert_refused_while_asleep(keyed)
+    assert keyed_post(keyed, "/wake_up").status_code == 200
+    assert not _is_sleeping(keyed)
+    assert llm_engine.model_executor.held_bytes() == held            # the same pool size
+    assert _greedy_tokens(keyed) == before
+    state = wait_until_clean(keyed.engine)                # invariants; every block free again
+    assert state["total"] == 128
+
+
+def test_sleep_level_2_releases_the_weights_and_wakes_by_tags(keyed):
+    llm_engine = keyed.engine.engine
+    before = _greedy_tokens(keyed)
+    held = llm_engine.model_executor.held_bytes()
+    model, weight = weakref.ref(llm_engine.model), weakref.ref(next(llm_engine.model.parameters()))
+    assert keyed_post(keyed, "/sleep?level=2").status_code == 200
+    gc.collect()
+    assert model() is None and weight() is None
+    assert llm_engine.model_executor.held_bytes() == {"kv_cache": 0, "weights": 0}
+    _assert_refused_while_asleep(keyed)
+    # upstream's tags: the weights come back first, then the KV cache
+    r = keyed_post(keyed, "/wake_up?tags=kv_cache")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tags"
+    assert keyed_post(keyed, "/wake_up?tags=weights").status_code == 200
+    assert _is_sleeping(keyed)
+    assert llm_engine.model_executor.held_bytes() == {"kv_cache": 0, "weights": held["weights"]}
+    assert keyed_post(keyed, "/wake_up?tags=kv_cache").status_code == 200
+    assert not _is_sleeping(keyed)
+    assert llm_engine.model_executor.held_bytes() == held
+    assert _greedy_tokens(keyed) == before                # reloaded as loaded the first time
+    wait_until_clean(keyed.engine)
+
+
+def _stream_in_thread(srv, body, started: threading.Event, events: list) -> threading.Thread:
+    def run():
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=AUTH,
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: "):]))
+                    started.set()
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_sleep_modes_for_requests_in_flight(keyed):
+    """upstream's mode: abort (the default) ends them with finish_reason "abort"; wait lets
+    them finish and refuses new ones meanwhile; keep, a bad level or a bad mode is a 400."""
+    long = {**GREEDY_BODY, "max_tokens": 600, "stream": True}
+    started, events = threading.Event(), []
+    t = _stream_in_thread(keyed, long, started, events)
+    assert started.wait(30)
+    assert keyed_post(keyed, "/sleep").status_code == 200           # level 1, mode abort
+    t.join(30)
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["abort"]
+    assert keyed_post(keyed, "/wake_up").status_code == 200
+    wait_until_clean(keyed.engine)
+
+    body = {**GREEDY_BODY, "max_tokens": 200, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started, events = threading.Event(), []
+    t = _stream_in_thread(keyed, body, started, events)
+    assert started.wait(30)
+    sleeper = threading.Thread(target=lambda: keyed_post(keyed, "/sleep?mode=wait"))
+    sleeper.start()
+    deadline = time.monotonic() + 10
+    while not keyed.engine._falling_asleep and sleeper.is_alive():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    refused = keyed_post(keyed, "/v1/completions", GREEDY_BODY)
+    sleeper.join(30)
+    t.join(30)
+    assert _is_sleeping(keyed)
+    assert refused.status_code == 503 and "going to sleep" in refused.text, refused.text
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["length"] and events[-1]["usage"]["completion_tokens"] == 200
+    assert keyed_post(keyed, "/wake_up").status_code == 200
+
+    for query, param in (("level=3", "level"), ("mode=keep", "mode"), ("mode=later", "mode")):
+        r = keyed_post(keyed, f"/sleep?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not _is_sleeping(keyed)
+    wait_until_clean(keyed.engine)
+
+
+def test_sleep_routes_need_the_flag(server):
+    """Without --enable-sleep-mode the routes are not served (upstream serves them only in its
+    dev mode) and the engine refuses, in upstream's words."""
+    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+        assert httpx.request(method, server.url + path).status_code == 404
+    with pytest.raises(ValueError, match="Sleep mode is not enabled"):
+        server.engine.call(lambda e: e.sleep(1)).result(timeout=30)
+
+
+def test_llm_sleep_and_wake_up_on_every_rank(tiny_llama):
+    """LLM(enable_sleep_mode=True).sleep(level) / .wake_up() as upstream's, at TP=2: both ranks
+    release (held bytes are summed over ranks), both come back, the tokens are the same."""
+    with pytest.raises(ValueError, match="Sleep mode is not enabled"):
+        LLM(tiny_llama, num_gpu_blocks_override=16).sleep()
+    llm = LLM(tiny_llama, tensor_parallel_size=2, num_gpu_blocks_override=32,
+              enable_sleep_mode=True, enable_prefix_caching=True)
+    eng = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [40, 41, 42]]
+
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    try:
+        before = tokens()
+        held = eng.model_executor.held_bytes()
+        rank0_pool = eng.kv_caches.numel() * eng.kv_caches.element_size()
+        assert held["kv_cache"] == 2 * rank0_pool          # one KV head each: both ranks count
+        for level, asleep in ((1, {"kv_cache": 0, "weights": held["weights"]}),
+                              (2, {"kv_cache": 0, "weights": 0})):
+            llm.sleep(level)
+            assert eng.model_executor.held_bytes() == asleep
+            with pytest.raises(EngineSleepingError):
+                llm.generate(prompts, params, use_tqdm=False)
+            llm.wake_up()
+            assert eng.model_executor.held_bytes() == held
+            assert tokens() == before
+            eng.check_invariants()                         # every rank's views agree
+            assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks == 32
+    finally:
+        eng.shutdown()
+
+
+# ---- 9. the API key ----------------------------------------------------------------------------
+def test_api_key_guards_every_route_that_runs_the_model_or_tokenizer(keyed):
+    guarded = [("GET", "/v1/models", None),
+               ("POST", "/v1/completions", {**GREEDY_BODY, "max_tokens": 1}),
+               ("POST", "/v1/chat/completions",
+                {"model": "tiny", "messages": [{"role": "user", "content": "a"}],
+                 "max_tokens": 1}),
+               ("POST", "/invocations", {"prompt": "ab", "max_tokens": 1}),
+               ("POST", "/tokenize", {"prompt": "ab"}), ("POST", "/detokenize", {"tokens": [70]}),
+               ("GET", "/tokenizer_info", None), ("GET", "/load", None),
+               ("GET", "/is_sleeping", None), ("POST", "/sleep", None),
+               ("POST", "/wake_up", None)]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}):
+        for method, path, body in guarded:
+            r = httpx.request(method, keyed.url + path, json=body, headers=headers, timeout=60)
+            assert r.status_code == 401, (headers, path)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert not _is_sleeping(keyed)                        # the refused /sleep did nothing
+    for scheme in ("Bearer", "bearer"):                   # upstream: any case
+        for method, path, body in guarded:
+            r = httpx.request(method, keyed.url + path, json=body,
+                              headers={"Authorization": f"{scheme} {KEY}"}, timeout=60)
+            assert r.status_code == 200, (path, r.text)
+    assert not _is_sleeping(keyed)
+    for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"),
+                         ("GET", "/version"), ("GET", "/metrics"), ("GET", "/openapi.json")):
+        assert httpx.request(method, keyed.url + path).status_code == 200, path
+    wait_until_clean(keyed.engine)
+
+
+def test_api_key_from_the_environment(server, monkeypatch):
+    """VLLM_API_KEY (read through vllm.envs) is the key when none is given."""
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    with ServerThread(build_app(server.engine, ["tiny"], shutdown_engine=False)) as srv:
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        assert httpx.post(srv.url + "/tokenize", json={"prompt": "w5"}).status_code == 401
+        ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer from-env"})
+        assert ok.status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200

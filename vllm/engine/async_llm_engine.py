@@ -32,12 +32,15 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
-from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.engine.llm_engine import EngineSleepingError, LLMEngine, PromptType
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.outputs import RequestOutput, RequestOutputKind, delta_output
 from vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+SLEEP_MODES = ("abort", "wait")   # upstream's PauseMode, less "keep" (a request keeps no KV)
+_DRAIN_POLL_S = 0.05              # sleep(mode="wait"): how often it looks for the last request
 
 
 class EngineStepError(RuntimeError):
@@ -119,6 +122,7 @@ class AsyncLLMEngine:
         self._engine_released = False                     # LLMEngine.shutdown() was called
         self._release_lock = threading.Lock()
         self.num_step_errors = 0
+        self._falling_asleep = False      # sleep(mode="wait") drains: new requests are refused
         self.snapshot: Dict[str, float] = self._snapshot()
 
     @classmethod
@@ -273,6 +277,7 @@ class AsyncLLMEngine:
         deltas (the server's switch) overrides it: True = cumulative, False = final only.
         Leaving early (break, cancellation, client disconnect) aborts the request."""
         _check_supported(lora_request, priority)
+        self.check_awake()
         self._ensure_running()
         kind = sampling_params.output_kind if deltas is None else (
             RequestOutputKind.CUMULATIVE if deltas else RequestOutputKind.FINAL_ONLY)
@@ -300,6 +305,46 @@ class AsyncLLMEngine:
         "abort". Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._submit(lambda: [self._abort(rid, notify=True) for rid in ids])
+
+    # ---- sleep mode (upstream's) ----------------------------------------------------------------
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """LLMEngine.sleep(level) on the engine thread. mode: the requests in flight are
+        ended at once with finish_reason "abort" (abort), or finish first while new ones are
+        refused with EngineSleepingError (wait)."""
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"mode: {mode!r}; sleep modes are {list(SLEEP_MODES)} (keep is "
+                             f"not served: a kept request would lose its KV cache)")
+        self.engine.check_sleep(level)
+        self._falling_asleep = mode == "wait"
+        try:
+            while mode == "wait" and await self.acall(lambda e: e.has_unfinished_requests()):
+                await asyncio.sleep(_DRAIN_POLL_S)
+            await self.acall(lambda e: self._abort_all_then_sleep(level))
+        finally:
+            self._falling_asleep = False
+
+    def _abort_all_then_sleep(self, level: int) -> None:
+        """Engine thread, one command: nothing is admitted between the aborts and the sleep."""
+        for rid in list(self._streams):
+            self._abort(rid, notify=True)
+        self.engine.abort_request(list(self.engine.requests))
+        self.engine.sleep(level)
+
+    async def wake_up(self, tags: Optional[List[str]] = None) -> None:
+        await self.acall(lambda e: e.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def check_awake(self) -> None:
+        """Raises EngineSleepingError while the engine sleeps or drains for sleep (mode
+        "wait"): a new request would not be served."""
+        if self.engine.is_sleeping():
+            raise EngineSleepingError("the engine is sleeping (its KV cache is released): "
+                                      "wake it up first (POST /wake_up)")
+        if self._falling_asleep:
+            raise EngineSleepingError("the engine is going to sleep (mode=wait): it admits no "
+                                      "new request")
 
     def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps (e.g. check_invariants)."""

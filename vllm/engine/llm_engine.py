@@ -2,8 +2,9 @@
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterable, List, Optional, Union
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence as Seq, Set, Union
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -47,6 +48,13 @@ def generation_eos_token_ids(model_dir: str, hf_config=None) -> FrozenSet[int]:
     if ids is None:
         return frozenset()
     return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+SLEEP_TAGS = ("weights", "kv_cache")      # what sleep releases and wake_up(tags) restores
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine whose KV cache (and maybe weights) sleep() released."""
 
 
 @dataclass
@@ -130,6 +138,9 @@ class LLMEngine:
         window_blocks = self.kv.sliding.num_groups * self.kv.sliding.max_blocks_per_request() \
             if self.kv.sliding else 0
         self._warn_if_pool_short(max(num_blocks - window_blocks, 0) * args.block_size)
+        # upstream's flag: sleep() and wake_up() refuse without it
+        self.enable_sleep_mode = bool(getattr(args, "enable_sleep_mode", False))
+        self.released: Set[str] = set()       # SLEEP_TAGS that sleep() released
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -218,6 +229,9 @@ class LLMEngine:
                     kv_eviction: Optional[KVEvictionParams] = None) -> None:
         """kv_eviction: this request's eviction settings over the engine's --kv-* defaults."""
         params = params or SamplingParams()
+        if self.released:
+            raise EngineSleepingError("the engine is sleeping (its KV cache is released): "
+                                      "wake_up() first")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
@@ -285,6 +299,55 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    # ---- sleep mode (upstream's) ----------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 releases the KV pool on every rank (its content is lost, the prefix cache
+        with it); level 2 the model's weights too. No request may be in flight: the caller
+        aborts them or waits for them (the server's mode=abort / wait)."""
+        self.check_sleep(level)
+        if self.requests:
+            raise ValueError(f"cannot sleep with {len(self.requests)} requests in flight: "
+                             f"abort them or wait for them to finish")
+        pool = self.kv.bm.pool
+        for block in np.flatnonzero(pool.hashed):      # their KV is about to be gone
+            pool.uncache(int(block))
+        self.input_builder.forget_views()              # the workers' views go with the pool
+        self.model_executor.sleep(level)
+        self.released |= set(SLEEP_TAGS if level == 2 else ("kv_cache",))
+
+    def wake_up(self, tags: Optional[Seq[str]] = None) -> None:
+        """Restore what sleep() released (tags: "weights", "kv_cache"; None: both): the weights
+        loaded again as the first time, the pool at its size with every block free. The
+        weights come back before (or with) the KV cache."""
+        self._require_sleep_mode()
+        tags = set(SLEEP_TAGS if tags is None else tags)
+        unknown = tags - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"tags: {sorted(unknown)}; wake_up restores {list(SLEEP_TAGS)}")
+        if "kv_cache" in tags and "weights" in self.released - tags:
+            raise ValueError("tags: the KV cache comes back with or after the weights "
+                             "(wake_up(['weights']) first)")
+        restore = tags & self.released
+        if restore:
+            self.model_executor.wake_up(self.kv.num_blocks, tuple(sorted(restore)))
+            self.released -= restore
+
+    def is_sleeping(self) -> bool:
+        return bool(self.released)
+
+    def check_sleep(self, level: int) -> None:
+        """Raises ValueError unless sleep(level) may run: sleep mode is on, the level is one
+        (requests in flight are sleep()'s own check)."""
+        self._require_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"level: {level} is not a sleep level (1: release the KV cache, "
+                             f"2: the KV cache and the weights)")
+
+    def _require_sleep_mode(self) -> None:
+        if not self.enable_sleep_mode:   # upstream's wording
+            raise ValueError("Sleep mode is not enabled in the model config "
+                             "(enable_sleep_mode=True, --enable-sleep-mode)")
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:

@@ -12,8 +12,10 @@ from vllm.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: Optional[str] = None, **kwargs):
+    def __init__(self, model: Optional[str] = None, enable_sleep_mode: bool = False, **kwargs):
+        """enable_sleep_mode: serve sleep() and wake_up() (upstream's keyword)."""
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.llm_engine.enable_sleep_mode = enable_sleep_mode
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -69,6 +71,18 @@ class LLM:
                                        add_generation_prompt=add_generation_prompt, tools=tools,
                                        continue_final_message=continue_final_message)
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 1; its content and the prefix cache are lost) or the KV
+        cache and the weights (level 2), on every rank, until wake_up(). Needs
+        enable_sleep_mode=True; generate() raises EngineSleepingError meanwhile."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: Optional[List[str]] = None) -> None:
+        """Restore what sleep() released: the weights reloaded from the model directory as
+        loaded the first time, the KV pool at its size. tags: "weights", "kv_cache" (None:
+        both), to restore one before the other."""
+        self.llm_engine.wake_up(tags)
 
     def get_kv_stats(self) -> Dict[str, float]:
         return self.llm_engine.get_kv_stats()

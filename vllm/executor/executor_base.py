@@ -13,7 +13,7 @@ statistics summed over ranks). get_class() picks an executor from the parallel c
 none here can run is a ValueError naming the flag.
 """
 from abc import ABC, abstractmethod
-from typing import Dict, Optional, Type
+from typing import Dict, Optional, Tuple, Type
 
 import numpy as np
 
@@ -63,6 +63,20 @@ class ExecutorBase(ABC):
     def execute_model(self, step: StepInput) -> StepOutput:
         """Run one step on every rank (also a step of no rows: it still fences, submits and
         polls relocation copies)."""
+
+    # ---- sleep mode: release and restore every rank's pool (and weights) ------------------------
+    @abstractmethod
+    def sleep(self, level: int) -> None:
+        """Level 1: every rank releases its KV pool; level 2: its weights too."""
+
+    @abstractmethod
+    def wake_up(self, num_blocks: int, tags: Tuple[str, ...]) -> None:
+        """Every rank restores what sleep() released, of tags ("weights": loads them again,
+        "kv_cache": a pool of num_blocks)."""
+
+    @abstractmethod
+    def held_bytes(self) -> Dict[str, int]:
+        """{"kv_cache", "weights"}: bytes held, summed over ranks."""
 
     # ---- hooks: relocation, figures, invariants -----------------------------------------------
     @abstractmethod

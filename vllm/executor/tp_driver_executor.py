@@ -146,6 +146,15 @@ class TPDriverExecutor(ExecutorBase):
     def execute_model(self, step: StepInput) -> StepOutput:
         return self._call("execute_step", step)
 
+    def sleep(self, level: int) -> None:
+        self._call("sleep", level)
+
+    def wake_up(self, num_blocks: int, tags: Tuple[str, ...]) -> None:
+        self._call("wake_up", num_blocks, tags)
+
+    def held_bytes(self) -> Dict[str, int]:
+        return self._call("held_bytes")
+
     def set_relocation_executor(self, executor) -> None:
         raise ValueError("a custom relocation executor is a single-process test hook; it "
                          "cannot be installed at --tensor-parallel-size > 1")

@@ -1,7 +1,7 @@
 """UniProcExecutor: the single-process executor, one Worker (rank 0 of 1) in the engine's own
 process. Each call is a plain method call on the same StepInput a remote rank would receive, so
 single-process and multi-rank engines share one code path up to the transport."""
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -29,6 +29,15 @@ class UniProcExecutor(ExecutorBase):
 
     def execute_model(self, step: StepInput) -> StepOutput:
         return self.driver_worker.execute_step(step)
+
+    def sleep(self, level: int) -> None:
+        self.driver_worker.sleep(level)
+
+    def wake_up(self, num_blocks: int, tags: Tuple[str, ...]) -> None:
+        self.driver_worker.wake_up(num_blocks, tags)
+
+    def held_bytes(self) -> Dict[str, int]:
+        return self.driver_worker.held_bytes()
 
     def set_relocation_executor(self, executor) -> None:
         self.driver_worker.set_relocation_executor(executor)

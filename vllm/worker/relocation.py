@@ -181,6 +181,21 @@ class RelocationExecutor:
             self.newest_completed.wait(stream)
             self.newest_completed = None
 
+    def sleep(self) -> None:
+        """The pool is about to be released: wait for the copies still running, then keep only
+        the pool's shape and dtype (a meta tensor: stats() still answers, no copy can run)."""
+        for event in self.in_flight.values():
+            event.synchronize()
+        self.in_flight.clear()
+        self._before.clear()
+        self.newest_completed = None
+        self.kv_caches = self.kv_caches.to("meta")
+
+    def wake_up(self, kv_caches: torch.Tensor) -> None:
+        """Copy within the new pool from now on (its shape is the released one's)."""
+        assert kv_caches.shape == self.kv_caches.shape, "the pool came back in another shape"
+        self.kv_caches = kv_caches
+
     def stats(self) -> dict:
         slot_bytes = self.kv_caches[:, 0].numel() * self.kv_caches.element_size()
         return {"copy_launches": self.launches, "copy_time_s": self.copy_time,

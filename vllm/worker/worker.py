@@ -19,8 +19,10 @@ complete only once every rank has completed it.
 Sizing the KV pool is the worker's too: only it knows its bytes per block and, on CUDA, what a
 profiling forward of its model leaves free (upstream's determine_num_available_blocks).
 """
+import gc
+import itertools
 import os
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -76,16 +78,19 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.simulated = mc.load_format == "simulate"
         torch.manual_seed(mc.seed)
-        for turn in range(self.tp.world_size):   # ranks load (and time kernels) in turn
-            if turn == self.rank:
-                self.model = self._load_model()
-            self.tp.barrier()
+        self._load_model_in_turn()
         self.unconfirmed: List[int] = []     # copy batches submitted, not yet done everywhere
         self.done_here: Set[int] = set()     # ... of which this rank has completed
         self.gpu_memory_profile: Optional[dict] = None   # CUDA pool sizing
         self.kv_caches: Optional[torch.Tensor] = None
         self.model_runner: Optional[ModelRunner] = None
         self.relocation: Optional[RelocationExecutor] = None   # where vToken reclaims
+
+    def _load_model_in_turn(self) -> None:
+        for turn in range(self.tp.world_size):   # ranks load (and time kernels) in turn
+            if turn == self.rank:
+                self.model = self._load_model()
+            self.tp.barrier()
 
     def _load_model(self) -> torch.nn.Module:
         mc = self.config.model_config
@@ -237,9 +242,58 @@ class Worker:
         self.done_here -= everywhere
         return everywhere
 
+    # ---- sleep mode ---------------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Level 1: release the KV pool and what reads it (the model runner, CUDA graphs);
+        level 2: the model's weights too. What the pool held is lost (the engine lets no request
+        hold KV across it). A relocation copy still running is waited for first."""
+        if self.relocation is not None:
+            self.relocation.sleep()
+        self.unconfirmed, self.done_here = [], set()   # their batches' requests are gone
+        self.model_runner = self.kv_caches = None
+        if level >= 2:
+            self.model = None
+        gc.collect()         # modules and graphs hold reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, num_blocks: int, tags: Tuple[str, ...]) -> None:
+        """Restore what sleep() released, of tags: "weights" loads them again from the model
+        directory as the first time (same dtype and quantization); "kv_cache" allocates a
+        zeroed pool of num_blocks and its runner (the weights must be there). The relocation
+        executor (and its counters) is kept."""
+        if "weights" in tags and self.model is None:
+            self._load_model_in_turn()
+        if "kv_cache" not in tags or self.kv_caches is not None:
+            return
+        assert self.model is not None, "the KV cache comes back with or after the weights"
+        relocation = self.relocation
+        self.initialize_cache(num_blocks)
+        if relocation is not None:
+            relocation.wake_up(self.kv_caches)
+            self.relocation = relocation
+
+    def held_bytes(self) -> Dict[str, int]:
+        """Bytes this engine holds, summed over ranks: the KV pool, and the storages the model's
+        parameters and buffers live in (a weight arena counts whole)."""
+        kv = self.kv_caches.numel() * self.kv_caches.element_size() \
+            if self.kv_caches is not None else 0
+        storages = {}
+        if self.model is not None:
+            for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        held = torch.tensor([kv, sum(storages.values())], dtype=torch.int64, device=self.device)
+        if self.tp.world_size > 1:
+            held = self.tp.all_reduce(held)
+        return {"kv_cache": int(held[0]), "weights": int(held[1])}
+
     # ---- hooks for the engine and tests -------------------------------------------------------
     def check_views(self, expected: Dict[int, np.ndarray]) -> None:
         """Every attention view this rank holds equals the engine's (I1 per rank)."""
+        if self.model_runner is None:      # asleep: no pool, so no view
+            assert not expected, f"rank {self.rank} sleeps, yet the engine has views"
+            return
         held = self.view_snapshot()
         assert held.keys() == expected.keys(), \
             f"rank {self.rank} holds views {sorted(held)}, the engine {sorted(expected)}"

@@ -1,10 +1,18 @@
 """OpenAI-compatible HTTP server: `build_app(engine, ...)`, and its command line
 (`python -m vllm.entrypoints.openai.api_server`, `vllm serve`).
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (Bearer auth when --api-key is set),
-/invocations (SageMaker: routed by the body's shape), /health, /version, /load, /tokenize,
-/detokenize, /tokenizer_info (--enable-tokenizer-info-endpoint), /metrics. Every error is
-answered in OpenAI's shape.
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /invocations (SageMaker: routed by
+the body's shape), /health, /ping, /version, /load, /tokenize, /detokenize, /tokenizer_info
+(--enable-tokenizer-info-endpoint), /metrics, and with --enable-sleep-mode /sleep, /wake_up,
+/is_sleeping. With --api-key every route but the probes, /version, /metrics and the API docs
+needs the key (bearer_auth.py). Every error is answered in OpenAI's shape.
+
+Sleep mode (upstream's): POST /sleep?level=1 releases the KV cache, level=2 the weights too;
+mode=abort (the default) ends the requests in flight with finish_reason "abort", mode=wait lets
+them finish first (new ones are refused meanwhile). While asleep a generation request is a 503,
+/health stays 200 and GET /is_sleeping says {"is_sleeping": true}; POST /wake_up (tags=weights,
+tags=kv_cache: part of it) restores the pool at its size and reloads the weights as loaded the
+first time.
 
 When the engine dies (e.g. a tensor-parallel worker failed: AsyncLLMEngine.died) every request
 in flight gets a 500 (an error event when streaming), new requests and /health get 500, and
@@ -15,8 +23,6 @@ the engine down, tensor-parallel workers included.
 """
 import argparse
 import asyncio
-import hmac
-import json
 import logging
 import os
 import sys
@@ -33,9 +39,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 import vllm
+from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from vllm.engine.llm_engine import EngineSleepingError
+from vllm.entrypoints.openai.bearer_auth import BearerAuth
 from vllm.entrypoints.openai.errors import OpenAIError
+from vllm.entrypoints.openai.fingerprint import system_fingerprint
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, DetokenizeResponse,
@@ -47,6 +57,7 @@ from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, auto_tool_pa
 from vllm.entrypoints.openai.server_load import ServerLoadTracker
 from vllm.entrypoints.openai.server_options import ServerOptions
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.tokenizer_info import tokenizer_config
 from vllm.entrypoints.openai.tool_parsers import tool_parser_names
 from vllm.model_executor.gguf_loader import DEFAULT_MODEL_NAME
 from vllm.reasoning import reasoning_parser_names
@@ -63,29 +74,6 @@ ENGINE_DEATH_GRACE_S = 2.0
 _WATCHDOG_INTERVAL_S = 0.2
 # upstream's uvicorn.main.STARTUP_FAILURE: the exit code of a server that never started
 _STARTUP_FAILURE = 3
-
-
-class BearerAuth:
-    """ASGI middleware: /v1/* needs `Authorization: Bearer <key>` (pure ASGI, so streaming
-    responses and disconnect detection pass through untouched)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):   # --root-path: /prefix/v1/... is guarded too
-            path = path[len(root):]
-        if scope["type"] == "http" and path.startswith("/v1") \
-                and scope["method"] != "OPTIONS":
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
-                err = OpenAIError("Unauthorized: a valid Bearer API key is required", status=401)
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 _TYPE_TAGS = {"body", "str", "int", "float", "bool", "dict", "list", "none"}
@@ -124,6 +112,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(_, exc: RequestValidationError):
         return _validation_error(exc).response()
 
+    @app.exception_handler(EngineSleepingError)
+    async def sleeping(_, exc: EngineSleepingError):
+        return OpenAIError(str(exc), status=503).response()
+
     @app.exception_handler(EngineStepError)     # EngineDeadError too: the engine is dead
     async def engine_error(_, exc: EngineStepError):
         return OpenAIError(str(exc), status=500).response()
@@ -145,10 +137,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
               options: Optional[ServerOptions] = None,
               reasoning_parser: Optional[str] = None) -> FastAPI:
     """The server's app. Its lifespan starts the engine loop (and stops it on exit when
-    shutdown_engine is true). tool_choice "auto" needs enable_auto_tool_choice and a
-    tool_call_parser name (tool_parsers/: "hermes"). reasoning_parser (vllm/reasoning/:
-    "deepseek_r1", "qwen3"): chat replies carry the reasoning as reasoning_content."""
+    shutdown_engine is true). api_key: None reads VLLM_API_KEY. tool_choice "auto" needs
+    enable_auto_tool_choice and a tool_call_parser name (tool_parsers/: "hermes").
+    reasoning_parser (vllm/reasoning/: "deepseek_r1", "qwen3"): chat replies carry the
+    reasoning as reasoning_content. options.enable_sleep_mode turns the engine's sleep mode on
+    and serves its routes."""
     names = list(served_model_names or [os.path.basename(str(engine.engine.model_config.model))])
+    api_key = api_key or envs.VLLM_API_KEY
     tokenizer = AutoTokenizer.from_pretrained(engine.engine.model_config.tokenizer)
     completion = OpenAIServingCompletion(engine, tokenizer, names)
     chat = OpenAIServingChat(engine, tokenizer, names, _load_template(chat_template),
@@ -156,6 +151,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
                              tool_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     options = options or ServerOptions()
     completion.options = chat.options = options
+    completion.fingerprint = chat.fingerprint = system_fingerprint(engine.engine)
     metrics = ServerMetrics(engine, names[0])
 
     @asynccontextmanager
@@ -183,20 +179,32 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
 
     @app.get("/health")
     async def health():
+        """200 while the engine loop runs, asleep or not."""
         if engine.died:
             raise OpenAIError(str(engine.dead_error), status=500)
         if not engine.is_running:
             raise OpenAIError("the engine loop is not running", status=503)
         return Response(status_code=200)
 
+    @app.get("/ping")
+    async def ping():
+        """SageMaker's health probe (upstream's, GET and POST): /health's answer."""
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post():
+        return await health()
+
     def check_engine() -> None:
-        """A dead (or stopped) engine: a 500 before any response begins, streamed or not."""
+        """A dead (or stopped) engine: a 500, a sleeping one a 503, before any response
+        begins, streamed or not."""
         if engine.errored:
             raise engine.dead_error
+        engine.check_awake()
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
-        return VersionResponse(version=vllm.__version__, engine=engine.engine.get_engine_info())
+        return VersionResponse(version=vllm.__version__)
 
     @app.get("/metrics")
     async def prometheus():
@@ -267,14 +275,44 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
         async def tokenizer_info():
             return JSONResponse(tokenizer_config(tokenizer, chat.chat_template))
 
+    if options.enable_sleep_mode:
+        _add_sleep_routes(app, engine)
     return app
+
+
+def _add_sleep_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
+    """Upstream's /sleep, /wake_up and /is_sleeping; a bad level, mode or tag is a 400."""
+    engine.engine.enable_sleep_mode = True
+
+    @app.post("/sleep", responses=_ERRORS)
+    async def sleep(level: int = 1, mode: str = "abort"):
+        try:
+            await engine.sleep(level, mode)
+        except ValueError as e:      # "level: ..." / "mode: ...": the message names the param
+            name = str(e).split(":", 1)[0]
+            raise OpenAIError(str(e), param=name if name in ("level", "mode") else None) \
+                from None
+        return Response(status_code=200)
+
+    @app.post("/wake_up", responses=_ERRORS)
+    async def wake_up(raw_request: Request):
+        tags = raw_request.query_params.getlist("tags") or None
+        try:
+            await engine.wake_up(tags)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tags") from None
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
 
 
 async def _stop_on_engine_death(app: FastAPI, engine: AsyncLLMEngine) -> None:
     """Once the engine has died, stop the server (ENGINE_DEATH_GRACE_S later)."""
     while not engine.died:
         await asyncio.sleep(_WATCHDOG_INTERVAL_S)
-    if os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0"):
+    if envs.VLLM_KEEP_ALIVE_ON_ENGINE_DEATH:
         logger.error("%s; VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set: the server stays up and "
                      "answers 500", engine.dead_error)
         return
@@ -285,33 +323,6 @@ async def _stop_on_engine_death(app: FastAPI, engine: AsyncLLMEngine) -> None:
     logger.error("%s; the server stops in %.0f s", engine.dead_error, ENGINE_DEATH_GRACE_S)
     await asyncio.sleep(ENGINE_DEATH_GRACE_S)
     server.should_exit = True
-
-
-def tokenizer_config(tokenizer, chat_template: Optional[str]) -> dict:
-    """tokenizer_config.json as the loaded tokenizer has it: no file paths, special tokens as
-    their text, plus tokenizer_class (and --chat-template when given)."""
-    config = dict(getattr(tokenizer, "init_kwargs", None) or {})
-    for key in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
-        config.pop(key, None)
-    config = _jsonable(config)
-    config["tokenizer_class"] = type(tokenizer).__name__
-    if chat_template:
-        config["chat_template"] = chat_template
-    return config
-
-
-def _jsonable(obj):
-    if hasattr(obj, "content"):          # AddedToken
-        return obj.content
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    try:
-        json.dumps(obj)
-        return obj
-    except (TypeError, ValueError):
-        return str(obj)
 
 
 def _load_template(template: Optional[str]) -> Optional[str]:
@@ -327,8 +338,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--host", type=str, default="0.0.0.0")
     add("--port", type=int, default=8000)
-    add("--api-key", type=str, default=os.environ.get("VLLM_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY)")
+    add("--api-key", type=str, default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health, /ping, "
+             "/version, /metrics and the API docs (default: $VLLM_API_KEY)")
     add("--served-model-name", type=str, nargs="+", default=None,
         help="model name(s) the API accepts (default: the model's directory name)")
     add("--chat-template", type=str, default=None,
@@ -357,6 +369,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--return-tokens-as-token-ids", action="store_true",
         help='write tokens in logprobs as "token_id:<id>" (a request\'s '
              "return_tokens_as_token_ids overrides it)")
+    add("--enable-sleep-mode", action="store_true",
+        help="serve POST /sleep?level=1|2 (release the KV cache; 2: the weights too), "
+             "POST /wake_up and GET /is_sleeping")
     add("--kv-usage-in-response", action="store_true",
         help="ours: report usage.kv (evicted / live tokens, peak blocks) in every response, "
              "not only when a request asks with \"kv_usage\": true")

@@ -315,6 +315,8 @@ class CompletionResponse(ResponseModel):
     created: int = Field(default_factory=now_s)
     model: str
     choices: List[CompletionChoice]
+    service_tier: Optional[str] = None
+    system_fingerprint: Optional[str] = None     # fingerprint.py
     usage: Optional[UsageInfo] = None
 
 
@@ -376,6 +378,8 @@ class ChatCompletionResponse(ResponseModel):
     created: int = Field(default_factory=now_s)
     model: str
     choices: List[ChatChoice]
+    service_tier: Optional[str] = None
+    system_fingerprint: Optional[str] = None     # fingerprint.py
     usage: UsageInfo
     prompt_logprobs: Optional[PromptLogprobs] = None
 
@@ -464,4 +468,3 @@ class DetokenizeResponse(ResponseModel):
 
 class VersionResponse(ResponseModel):
     version: str
-    engine: Optional[Dict] = None     # ours: CPU, C kernel variant, load-time kernel plan

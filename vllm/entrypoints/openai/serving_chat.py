@@ -122,6 +122,7 @@ class OpenAIServingChat(OpenAIServing):
         n_in = len(final.prompt_token_ids)
         usage = UsageInfo.of(n_in, n_out, self.kv_usage(req, [final]))
         resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
+                                      system_fingerprint=self.fingerprint,
                                       prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs))
         return JSONResponse(resp.model_dump())
 
@@ -133,7 +134,8 @@ class OpenAIServingChat(OpenAIServing):
             return tool_use.message(c.text, c.finish_reason)
         reasoning, content = self.reasoning.extract_reasoning_content(c.text, req)
         message, finish_reason = tool_use.message(content or "", c.finish_reason)
-        message.content = message.content or None
+        if not (message.tool_calls and tool_use.forced):   # a forced call's content stays ""
+            message.content = message.content or None
         message.reasoning_content = reasoning if req.include_reasoning else None
         return message, finish_reason
 

@@ -80,6 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 n_out += len(c.token_ids)
             n_in += len(final.prompt_token_ids)
         return CompletionResponse(id=request_id, model=model, choices=choices,
+                                  system_fingerprint=self.fingerprint,
                                   usage=UsageInfo.of(n_in, n_out, self.kv_usage(req, finals)))
 
     @staticmethod

@@ -10,6 +10,7 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from fastapi import Request
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from vllm.engine.llm_engine import EngineSleepingError
 from vllm.entrypoints.openai.errors import OpenAIError
 from vllm.entrypoints.openai.output_constraint import OutputConstraint
 from vllm.entrypoints.openai.protocol import (MAX_LOGPROBS, KVUsage, PromptLogprob,
@@ -103,6 +104,7 @@ class TextDelta:
 
 class OpenAIServing:
     options = ServerOptions()    # the app sets its own (build_app)
+    fingerprint: Optional[str] = None    # system_fingerprint of whole responses (build_app)
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, served_model_names: List[str]):
         self.engine = engine
@@ -304,6 +306,8 @@ class OpenAIServing:
             return OpenAIError(str(e), param=getattr(e, "param", None) or "prompt")
         if isinstance(e, EngineStepError):
             return OpenAIError(str(e), status=500)
+        if isinstance(e, EngineSleepingError):
+            return OpenAIError(str(e), status=503)
         logger.error("request failed", exc_info=e)
         return OpenAIError(f"internal error: {e!r}", status=500)
 

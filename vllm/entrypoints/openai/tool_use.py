@@ -6,6 +6,7 @@
   "required"      JSON array [{"name", "parameters"}], min 1, by schema  "tool_calls"
   named           the function's arguments, by its parameters schema     "stop" (as OpenAI)
 
+A forced call's message (named or "required") has content "", not null, as upstream's.
 tool_choice defaults to "auto" when tools are given, else "none". A "length" cut stays
 "length", so a client can tell a truncated call from a complete one.
 """
@@ -49,6 +50,11 @@ class ToolUse:
                               "specified `tools`", param="tool_choice")
         if self.choice == "auto" and self.auto_parser is None:
             raise OpenAIError(AUTO_NEEDS_FLAGS, param="tool_choice")
+
+    @property
+    def forced(self) -> bool:
+        """The output is the call itself (named or "required")."""
+        return self.named is not None or self.choice == "required"
 
     @property
     def named(self) -> Optional[str]:
@@ -116,7 +122,10 @@ class ToolUse:
         tool_calls = [ToolCall(id=tool_call_id(),
                                function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in calls]
-        return (AssistantMessage(content=found.content, tool_calls=tool_calls or None),
+        content = found.content
+        if tool_calls and self.forced:
+            content = content or ""
+        return (AssistantMessage(content=content, tool_calls=tool_calls or None),
                 self.finish_reason(engine_reason, bool(tool_calls)))
 
     def stream(self) -> Optional[ToolCallStream]:
