@@ -15,10 +15,10 @@ from tests.conftest import random_prompts
 from tests.kernel_refs import paged_scene, prefill_meta
 from vllm import LLM, SamplingParams
 from vllm.attention.backend import PrefillSpan, paged_attention
-from vllm.config import eviction_policies
+from vllm.core.eviction import policy_names
 from vllm.kernels import ops
 
-POLICIES = [p for p in eviction_policies() if p != "none"]
+POLICIES = [p for p in policy_names() if p != "none"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 NEVER = 10 ** 6          # a floor no request reaches: every policy scores, none evicts
 

@@ -15,12 +15,13 @@ import pytest
 from tests.conftest import random_prompts
 from tests.server_utils import chat_model_dir, serve, wait_until_clean
 from vllm import KVEvictionParams, LLM, SamplingParams
-from vllm.config import eviction_policies, KVEvictionConfig
+from vllm.config import KVEvictionConfig
+from vllm.core.eviction import policy_names
 from vllm.core.eviction import make_policy
 from vllm.engine.arg_utils import EngineArgs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-GENERATED = [p for p in eviction_policies() if p not in ("none", "snapkv")]   # snapkv: refused
+GENERATED = [p for p in policy_names() if p not in ("none", "snapkv")]   # snapkv: refused
 
 
 def ids(*xs):
@@ -111,30 +112,32 @@ PROMPTS = random_prompts(3, seed=61, lo=30, hi=60)
 
 
 def _run(model, prompts, **kw):
+    """-> (LLM, (sequence, its RequestKV) per prompt, each one's most live tokens)."""
     llm = LLM(model, num_gpu_blocks_override=256, kv_check_invariants=True, kv_eviction_log=True,
               kv_min_tokens=0, **kw)
     eng = llm.llm_engine
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
     seqs = [eng.requests[f"r{i}"].seqs[0] for i in range(len(prompts))]
+    kvs = [eng.kv.requests[s.seq_id] for s in seqs]
     live_max = [0] * len(prompts)
     while eng.has_unfinished_requests():
         eng.step()
         for i, s in enumerate(seqs):
             if s.seq_id in eng.kv.bm.token_table:
                 live_max[i] = max(live_max[i], eng.kv.bm.token_table.num_live(s.seq_id))
-    return llm, seqs, live_max
+    return llm, list(zip(seqs, kvs)), live_max
 
 
 @pytest.mark.parametrize("name", GENERATED)
 def test_scope_generated_keeps_every_prompt_token_live(tiny_llama, name):
     _, seqs, live_max = _run(tiny_llama, PROMPTS, kv_eviction_policy=name, kv_budget_tokens=8,
                              kv_evict_scope="generated")
-    for s, peak in zip(seqs, live_max):
-        evicted = np.concatenate(s.eviction_log) if s.eviction_log else ids()
+    for (s, kv), peak in zip(seqs, live_max):
+        evicted = np.concatenate(kv.eviction_log) if kv.eviction_log else ids()
         assert len(evicted) > 0 and evicted.min() >= s.num_prompt_tokens, name
-        budget = s.policy.budget(s.num_tokens)            # 8, or a policy's larger minimum
-        assert budget == max(8, s.policy.recent_minimum)
+        budget = kv.policy.budget(s.num_tokens)           # 8, or a policy's larger minimum
+        assert budget == max(8, kv.policy.recent_minimum)
         assert peak <= s.num_prompt_tokens + budget + 1, name   # plus the new token
 
 
@@ -145,8 +148,8 @@ def test_interval_evicts_only_at_budget_plus_n(tiny_llama, scope, interval):
     the prompt's own (bulk) eviction under scope all."""
     _, seqs, _ = _run(tiny_llama, PROMPTS, kv_eviction_policy="streamingllm", kv_budget_tokens=8,
                       kv_evict_scope=scope, kv_evict_interval=interval)
-    for s in seqs:
-        sizes = [len(e) for e in s.eviction_log]
+    for _, kv in seqs:
+        sizes = [len(e) for e in kv.eviction_log]
         decode = sizes[1:] if scope == "all" else sizes
         assert decode and set(decode) == {interval}, sizes
 
@@ -161,7 +164,8 @@ def test_naive_evict_equals_vtoken_under_every_scope_and_interval(tiny_llama, na
         _, seqs, _ = _run(tiny_llama, PROMPTS, kv_eviction_policy=name, kv_budget_tokens=12,
                           kv_evict_scope=scope, kv_evict_interval=interval, kv_reclamation=mode,
                           kv_frag_threshold=0.0)
-        out[mode] = [(s.output_token_ids, [e.tolist() for e in s.eviction_log]) for s in seqs]
+        out[mode] = [(s.output_token_ids, [e.tolist() for e in kv.eviction_log])
+                     for s, kv in seqs]
     assert out["none"] == out["vtoken"] == out["vtoken-fill"]
     assert all(log for _, log in out["none"])
 
@@ -278,5 +282,5 @@ def test_scope_generated_with_a_prefill_chunk_runs_the_policy_after_the_prompt(t
     prompt is computed as without a policy and the policy first runs on generated tokens."""
     _, seqs, _ = _run(tiny_llama, PROMPTS, kv_eviction_policy="tova", kv_budget_tokens=6,
                       kv_evict_scope="generated", kv_prefill_chunk=8)
-    for s in seqs:
-        assert s.eviction_log and np.concatenate(s.eviction_log).min() >= s.num_prompt_tokens
+    for s, kv in seqs:
+        assert kv.eviction_log and np.concatenate(kv.eviction_log).min() >= s.num_prompt_tokens

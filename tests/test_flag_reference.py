@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from vllm import KVEvictionParams
 from vllm.engine.arg_utils import EngineArgs, request_flags
 from vllm.entrypoints import flag_reference
@@ -61,8 +63,12 @@ def test_per_request_fields_come_from_the_flags():
 
 
 def test_policy_names_come_from_the_registry():
-    from vllm.config import eviction_policies
-    from vllm.core.eviction import POLICY_CLASSES
+    """The CLI's choices, and the check of LLM(...) keywords and request fields."""
+    from vllm.core.eviction import POLICY_CLASSES, policy_names
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     action = next(a for a in parser._actions if a.dest == "kv_eviction_policy")
-    assert tuple(action.choices) == eviction_policies() == ("none", *POLICY_CLASSES)
+    assert tuple(action.choices) == policy_names() == ("none", *POLICY_CLASSES)
+    with pytest.raises(ValueError, match="--kv-eviction-policy: must be one of"):
+        EngineArgs(kv_eviction_policy="bogus").eviction_config()
+    with pytest.raises(ValueError, match="kv_eviction_policy: must be one of"):
+        KVEvictionParams(policy="bogus")

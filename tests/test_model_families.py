@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import COMMON, FAMILIES, _tokenizer, greedy_checked, hf_greedy, random_prompts
 from vllm import LLM, SamplingParams
-from vllm.config import eviction_policies
+from vllm.core.eviction import policy_names
 from vllm.kernels import ops
 
 MAX_NEW = 24
@@ -89,7 +89,7 @@ def test_budget_above_the_length_gives_the_tokens_of_no_policy(family_models, pr
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral-w12"])
-@pytest.mark.parametrize("policy", [p for p in eviction_policies() if p != "none"])
+@pytest.mark.parametrize("policy", [p for p in policy_names() if p != "none"])
 def test_naive_evict_equals_vtoken(family_models, prompts, family, policy):
     """Eviction on a model with sliding layers: vToken (and its hole-filling mode) only
     changes where bytes live."""

@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import MOE_FAMILIES, greedy_checked, hf_greedy, random_prompts
 from vllm import LLM, SamplingParams
-from vllm.config import eviction_policies
+from vllm.core.eviction import policy_names
 from vllm.kernels import cpu_kernel_plan, cpu_kernels, quant_kernels
 from vllm.model_executor.layers.fused_moe import FusedMoE, MoESpec, expert_name
 from vllm.model_executor.quant_linear import QuantWeight
@@ -71,7 +71,7 @@ def test_tensor_parallel_matches_transformers(moe_models, prompts, references, f
     assert got == references[family]
 
 
-@pytest.mark.parametrize("policy", [p for p in eviction_policies() if p != "none"])
+@pytest.mark.parametrize("policy", [p for p in policy_names() if p != "none"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_naive_evict_equals_vtoken(moe_models, prompts, family, policy):
     """gpt-oss's statistics are over real keys with its sinks in the softmax: rows sum to less

@@ -442,9 +442,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def keyed(tiny_llama_bytes):
     """The byte-level model (any text is a prompt) with the Hermes tool template, --api-key,
     --enable-sleep-mode, --enable-tokenizer-info-endpoint and prefix caching."""
-    options = ServerOptions(enable_sleep_mode=True, enable_tokenizer_info_endpoint=True)
+    options = ServerOptions(enable_tokenizer_info_endpoint=True)
     engine = make_engine(tiny_llama_bytes, num_gpu_blocks_override=128,
-                         enable_prefix_caching=True)
+                         enable_prefix_caching=True, enable_sleep_mode=True)
     srv = ServerThread(build_app(engine, ["tiny"], api_key=KEY, chat_template=TEMPLATE,
                                  options=options))
     with srv:

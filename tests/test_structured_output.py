@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.config import eviction_policies, RECLAMATION_MODES
+from vllm.config import RECLAMATION_MODES
+from vllm.core.eviction import policy_names
 from vllm.kv_eviction_params import KVEvictionParams
 from vllm.model_executor.sampler import Sampler, SamplingRow
 from vllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
@@ -259,7 +260,7 @@ def test_grammar_with_every_eviction_policy(tiny_llama_bytes, reclamation):
     llm = LLM(tiny_llama_bytes, num_gpu_blocks_override=64, max_model_len=256, block_size=4,
               kv_eviction_policy="h2o", kv_min_tokens=0, kv_budget_tokens=16,
               kv_reclamation=reclamation, kv_frag_threshold=0.0, kv_check_invariants=True)
-    policies = [p for p in eviction_policies() if p != "none"]
+    policies = [p for p in policy_names() if p != "none"]
     prompt = "Write the record of a person as JSON please: "
     outs = llm.generate([prompt] * len(policies),
                         SamplingParams(temperature=0.8, seed=5, max_tokens=128,

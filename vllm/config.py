@@ -18,13 +18,6 @@ QUANTIZATION_METHODS = ("auto", "gguf", "none")
 LOAD_FORMATS = ("auto", "dummy", "simulate")
 
 
-def eviction_policies() -> tuple:
-    """--kv-eviction-policy's values: "none" and the policy registry's names
-    (vllm.core.eviction.POLICY_CLASSES, imported here, at use, since it imports this module)."""
-    from vllm.core.eviction import POLICY_CLASSES
-    return ("none", *POLICY_CLASSES)
-
-
 def _check(cond: bool, flag: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{flag}: {message}")
@@ -150,7 +143,12 @@ class ParallelConfig:
 
 @dataclass
 class KVEvictionConfig:
-    """Token-level eviction (the policy) and physical reclamation (vToken)."""
+    """Token-level eviction (the policy) and physical reclamation (vToken).
+
+    `policy` is a name of the policy registry (vllm.core.eviction.POLICY_CLASSES) or "none"; the
+    engine side checks it where it makes a config (EngineArgs.eviction_config, KVEvictionParams,
+    make_policy), since this module is shared with the workers, which never import the
+    policies."""
     policy: str = "none"
     eviction_ratio: float = 0.5             # fraction evicted; budget = floor((1 - r) * n)
     budget_tokens: Optional[int] = None     # fixed budget instead of the ratio
@@ -172,12 +170,10 @@ class KVEvictionConfig:
     reclamation: str = "vtoken"
     frag_threshold: float = 0.25            # dead share of private slots that makes a request eligible
     check_invariants: bool = False
-    keep_eviction_log: bool = False         # Sequence.eviction_log: every evicted id (tests)
+    keep_eviction_log: bool = False         # RequestKV.eviction_log: every evicted id (tests)
     reclaim_force_sync: bool = False        # ablation: block on every relocation copy
 
     def __post_init__(self):
-        _check(self.policy in eviction_policies(), "--kv-eviction-policy",
-               f"must be one of {eviction_policies()}, got {self.policy!r}")
         _check(0.0 <= self.eviction_ratio < 1.0, "--kv-eviction-ratio",
                f"must be in [0, 1), got {self.eviction_ratio}")
         _check(self.budget_tokens is None or self.budget_tokens >= 1, "--kv-budget-tokens",

@@ -15,6 +15,7 @@ import re
 from typing import Dict, Optional
 
 from vllm.config import KVEvictionConfig
+from vllm.core.eviction import check_policy_name
 from vllm.engine.arg_utils import flag_type, request_flags
 
 # KVEvictionParams field -> the engine flag (and request-body field) that sets it
@@ -34,6 +35,8 @@ class _KVEvictionParamsBase:
 
     def __post_init__(self):
         # each field alone, by KVEvictionConfig's own rules; pairs are checked by `apply`
+        if self.policy is not None:
+            check_policy_name(self.policy, self.body_field("policy"))
         for name, value in self.given().items():
             try:
                 KVEvictionConfig(**{name: value})

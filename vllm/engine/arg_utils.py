@@ -14,7 +14,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 from vllm.config import (DEFAULT_MIN_TOKENS, DEVICES, DISTRIBUTED_BACKENDS, DTYPES,
                          EVICTION_SCOPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS,
-                         RECLAMATION_MODES, KVEvictionConfig, ParallelConfig, eviction_policies)
+                         RECLAMATION_MODES, KVEvictionConfig, ParallelConfig)
+from vllm.core.eviction import check_policy_name, policy_names
 
 
 def flag(default: Any, help: str = "", *, choices: Union[Sequence[str], Callable, None] = None,
@@ -101,7 +102,7 @@ class EngineArgs:
         "rank on this node; the default above size 1) or ray (ranks as Ray actors, across nodes)",
         choices=DISTRIBUTED_BACKENDS)
     kv_eviction_policy: str = flag(
-        "none", "token-level KV eviction policy (none: no eviction)", choices=eviction_policies,
+        "none", "token-level KV eviction policy (none: no eviction)", choices=policy_names,
         kv="policy", per_request=True)
     kv_eviction_ratio: float = flag(
         0.5, "fraction of tokens evicted (budget = floor((1 - r) * length))",
@@ -147,6 +148,9 @@ class EngineArgs:
     kv_reclaim_force_sync: bool = flag(
         False, "ablation: wait for every relocation copy instead of polling its event",
         kv="reclaim_force_sync")
+    enable_sleep_mode: bool = flag(
+        False, "serve sleep mode: LLM.sleep(level) / POST /sleep?level=1|2 release the KV cache "
+        "(2: the weights too), LLM.wake_up() / POST /wake_up restore them, GET /is_sleeping")
     disable_log_stats: bool = flag(
         False, "accepted for upstream compatibility (this engine logs no periodic stats)")
 
@@ -155,6 +159,7 @@ class EngineArgs:
                               self.data_parallel_size, self.distributed_executor_backend)
 
     def eviction_config(self) -> KVEvictionConfig:
+        check_policy_name(self.kv_eviction_policy)
         return KVEvictionConfig(**{f.metadata["kv"]: getattr(self, f.name)
                                    for f in dataclasses.fields(EngineArgs) if f.metadata["kv"]})
 

@@ -12,10 +12,10 @@ from vllm.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: Optional[str] = None, enable_sleep_mode: bool = False, **kwargs):
-        """enable_sleep_mode: serve sleep() and wake_up() (upstream's keyword)."""
+    def __init__(self, model: Optional[str] = None, **kwargs):
+        """kwargs: EngineArgs' fields (the engine flags, e.g. kv_eviction_policy="h2o",
+        enable_sleep_mode=True)."""
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
-        self.llm_engine.enable_sleep_mode = enable_sleep_mode
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -1,5 +1,5 @@
 """Token-level KV eviction policies (spec: shared/design/eviction-policies.md)."""
-from typing import Optional
+from typing import Optional, Tuple
 
 from vllm.config import KVEvictionConfig
 from vllm.core.eviction.base import EvictionPolicy, token_budget
@@ -29,15 +29,27 @@ POLICY_CLASSES = {
 }
 
 
+def policy_names() -> Tuple[str, ...]:
+    """--kv-eviction-policy's values: "none" and the registry's names."""
+    return ("none", *POLICY_CLASSES)
+
+
+def check_policy_name(name: str, field: str = "--kv-eviction-policy") -> None:
+    if name not in policy_names():
+        raise ValueError(f"{field}: must be one of {policy_names()}, got {name!r}")
+
+
 def make_policy(config: KVEvictionConfig, request_id: str, num_layer_heads: int,
                 prompt_len: int = 0) -> Optional[EvictionPolicy]:
     """A fresh policy for one request (None for --kv-eviction-policy none); prompt_len: where
     scope generated starts counting."""
     if not config.enabled:
         return None
+    check_policy_name(config.policy)
     return POLICY_CLASSES[config.policy](config, request_id, num_layer_heads, prompt_len)
 
 
 __all__ = ["EvictionPolicy", "H2OPolicy", "KeyDiffPolicy", "KNormPolicy", "RandomPolicy",
            "RKVPolicy", "ScissorhandsPolicy", "SnapKVPolicy", "StreamingLLMPolicy", "TOVAPolicy",
-           "ValueRandomPolicy", "POLICY_CLASSES", "make_policy", "token_budget"]
+           "ValueRandomPolicy", "POLICY_CLASSES", "check_policy_name", "make_policy",
+           "policy_names", "token_budget"]

@@ -140,8 +140,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
     shutdown_engine is true). api_key: None reads VLLM_API_KEY. tool_choice "auto" needs
     enable_auto_tool_choice and a tool_call_parser name (tool_parsers/: "hermes").
     reasoning_parser (vllm/reasoning/: "deepseek_r1", "qwen3"): chat replies carry the
-    reasoning as reasoning_content. options.enable_sleep_mode turns the engine's sleep mode on
-    and serves its routes."""
+    reasoning as reasoning_content. An engine built with enable_sleep_mode
+    (--enable-sleep-mode) gets the /sleep, /wake_up and /is_sleeping routes."""
     names = list(served_model_names or [os.path.basename(str(engine.engine.model_config.model))])
     api_key = api_key or envs.VLLM_API_KEY
     tokenizer = AutoTokenizer.from_pretrained(engine.engine.model_config.tokenizer)
@@ -275,14 +275,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Optional[Sequence[str]
         async def tokenizer_info():
             return JSONResponse(tokenizer_config(tokenizer, chat.chat_template))
 
-    if options.enable_sleep_mode:
+    if engine.engine.enable_sleep_mode:      # --enable-sleep-mode (an engine flag)
         _add_sleep_routes(app, engine)
     return app
 
 
 def _add_sleep_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     """Upstream's /sleep, /wake_up and /is_sleeping; a bad level, mode or tag is a 400."""
-    engine.engine.enable_sleep_mode = True
 
     @app.post("/sleep", responses=_ERRORS)
     async def sleep(level: int = 1, mode: str = "abort"):
@@ -369,9 +368,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--return-tokens-as-token-ids", action="store_true",
         help='write tokens in logprobs as "token_id:<id>" (a request\'s '
              "return_tokens_as_token_ids overrides it)")
-    add("--enable-sleep-mode", action="store_true",
-        help="serve POST /sleep?level=1|2 (release the KV cache; 2: the weights too), "
-             "POST /wake_up and GET /is_sleeping")
     add("--kv-usage-in-response", action="store_true",
         help="ours: report usage.kv (evicted / live tokens, peak blocks) in every response, "
              "not only when a request asks with \"kv_usage\": true")

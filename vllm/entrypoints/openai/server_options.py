@@ -12,7 +12,6 @@ class ServerOptions:
     enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint
     return_tokens_as_token_ids: bool = False    # --return-tokens-as-token-ids: "token_id:<id>"
     kv_usage_in_response: bool = False       # --kv-usage-in-response (ours): usage.kv always
-    enable_sleep_mode: bool = False          # --enable-sleep-mode: /sleep, /wake_up, /is_sleeping
 
     def __post_init__(self):
         self.root_path = (self.root_path or "").rstrip("/")
@@ -25,5 +24,4 @@ class ServerOptions:
                    enable_server_load_tracking=args.enable_server_load_tracking,
                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                   kv_usage_in_response=args.kv_usage_in_response,
-                   enable_sleep_mode=args.enable_sleep_mode)
+                   kv_usage_in_response=args.kv_usage_in_response)
