@@ -8,7 +8,10 @@ import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, create_model, model_serializer,
+                      model_validator)
+
+from vllm.engine.arg_utils import flag_type, request_flags
 
 MAX_N = 128          # samples per prompt
 MAX_LOGPROBS = 20    # as upstream's default --max-logprobs
@@ -127,7 +130,15 @@ class StructuredOutputsRequest(RequestModel):
 
 
 # ---- sampling fields shared by completions and chat ---------------------------------------------
-class SamplingRequest(RequestModel):
+# the engine flags a request may set (EngineArgs' per_request fields), as optional body fields of
+# the same name: None takes the server's flag
+KVEvictionFields = create_model(
+    "KVEvictionFields", __base__=RequestModel,
+    **{f.name: (Optional[flag_type(f)], Field(None, description=f.metadata["help"]))
+       for f in request_flags()})
+
+
+class SamplingRequest(KVEvictionFields):
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
@@ -150,15 +161,8 @@ class SamplingRequest(RequestModel):
     stop_token_ids: Optional[List[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # ours: this request's KV eviction over the server's --kv-* defaults (validated in
-    # KVEvictionParams, so the 400 names the field)
-    kv_eviction_policy: Optional[str] = None
-    kv_eviction_ratio: Optional[float] = None
-    kv_budget_tokens: Optional[int] = None
-    kv_min_tokens: Optional[int] = None
-    kv_prefill_chunk: Optional[int] = None
-    kv_evict_scope: Optional[str] = None       # all | generated
-    kv_evict_interval: Optional[int] = None    # evict at budget + N, back to the budget
+    # ours: this request's KV eviction over the server's --kv-* defaults comes from
+    # KVEvictionFields (validated in KVEvictionParams, so the 400 names the field)
     kv_usage: bool = False       # ours: report usage.kv (also on with --kv-usage-in-response)
     # upstream vLLM's token-level extensions
     allowed_token_ids: Optional[List[int]] = None
