@@ -17,7 +17,14 @@ earlier test) let requests take turns in the pool and passed C above the packed 
 bf16 blocks, 4,032-token prompts, output_len 12,288) through the real scheduler, block manager,
 token tables, policy and planner, with synthetic attention statistics (--load-format simulate).
 --scale s multiplies prompt, output and budgets by s, so blocks per request and the pool shrink
-together and the frontier stays comparable with the paper's.
+together and the frontier stays comparable with the paper's. --shape qwen2.5-14b runs its
+larger-model check instead (48 layers, 8 KV heads x 128; output_len 8,192, 3,261 usable blocks;
+Native 3 -> vToken 6). The paper gives no prompt length there: Native feasible through C=3 and
+failing at C=4 in 3,261 blocks needs 816-1,087 blocks a request in full, 13,041-17,392 tokens, so
+a LongBench-length prompt of 8,192 (1,024 blocks full, 512 packed, as the Llama setup's 1,020 /
+512).
+
+    python benchmarks/benchmark_capacity.py --simulate --shape qwen2.5-14b --quick
 
 fp8 sizing. The real engine gets --kv-cache-memory = the baseline pool's bytes (blocks of the
 KV dtype --kv-cache-dtype auto gives the model: bf16 for the default GGUF model, float32 for a
@@ -197,16 +204,24 @@ def variants(budget: int, fp8_pool: Dict, fp8_blocks: int,
     return out
 
 
+# the paper's setups (Sec. 5.4) per common.SIM_SHAPES shape: prompt, output, usable KV blocks
+PAPER_SETUPS = {"llama-3.1-8b": (4032, 12288, (5427, 11519)),
+                "qwen2.5-14b": (8192, 8192, (3261,))}
+SHAPE_NAMES = {"llama-3.1-8b": "Llama-3.1-8B", "qwen2.5-14b": "Qwen2.5-14B"}
+
+
 def simulated_setup(args) -> Dict:
     import transformers
     scale = args.scale or (0.125 if args.quick else 0.25)
-    prompt_len = args.prompt_len or round(4032 * scale)
-    output_len = args.output_len or round(12288 * scale)
-    model = common.sim_config_dir()
+    prompt, output, budgets = PAPER_SETUPS[args.shape]
+    prompt_len = args.prompt_len or round(prompt * scale)
+    output_len = args.output_len or round(output * scale)
+    model = common.sim_config_dir(shape=args.shape)     # 32,000-token vocab: cheap logits
     hf = transformers.AutoConfig.from_pretrained(model)
     return {"model": model, "scale": scale, "prompt_len": prompt_len, "output_len": output_len,
-            "budgets": args.budgets or [round(5427 * scale), round(11519 * scale)],
-            "label": f"simulated Llama-3.1-8B shape, bf16 KV baseline, scale {scale:g}",
+            "budgets": args.budgets or [round(b * scale) for b in budgets],
+            "label": f"simulated {SHAPE_NAMES[args.shape]} shape, bf16 KV baseline, "
+                     f"scale {scale:g}",
             "extra": dict(load_format="simulate", max_model_len=prompt_len + output_len + BLOCK),
             "vocab": 32000, "token_bytes": {"bf16": block_bytes(hf, 2, 1),
                                             "fp8": block_bytes(hf, 1, 1)},
@@ -356,6 +371,8 @@ def main():
     p = common.base_parser(__doc__)
     p.add_argument("--simulate", action="store_true", help="paper scale via --load-format simulate")
     p.add_argument("--scale", type=float, default=None, help="--simulate: length/budget scale")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=list(PAPER_SETUPS),
+                   help="--simulate: model shape and its paper setup")
     p.add_argument("--budgets", type=int, nargs="+", default=None)
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
@@ -393,8 +410,12 @@ def main():
              f"fp8: {setup['fp8_factor'][0]}x the blocks in the same bytes; '+' = search cap; "
              f"{setup['label']}; {common.machine()}")
     text = tables(rows, names, title)
-    name = args.out or ("benchmark_capacity_sim" if args.simulate else "benchmark_capacity")
+    name = args.out or ("benchmark_capacity" if not args.simulate else "benchmark_capacity_sim"
+                        if args.shape == "llama-3.1-8b" else f"benchmark_capacity_sim_{args.shape}")
     common.save(name, {"args": vars(args), "model": setup["label"], "rows": rows,
+                       "shape": args.shape if args.simulate else None,
+                       "setup": {k: setup[k] for k in ("scale", "prompt_len", "output_len",
+                                                       "budgets")},
                        "trials": trials, "full_blocks": full, "ideal_blocks": packed,
                        "tail_packed_blocks": tail,
                        "seconds": time.perf_counter() - t0, "table": text},

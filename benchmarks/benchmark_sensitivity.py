@@ -4,7 +4,8 @@ One factor at a time around the default (block 16, ratio 0.5, threshold 0.25), f
 Retained KV capacity = mean retained blocks per request x block size (token slots held),
 normalised to the default; throughput and p95 decode-step latency likewise.
 
-    python benchmarks/benchmark_sensitivity.py --quick      # LongBench-style only
+    python benchmarks/benchmark_sensitivity.py --quick      # LongBench-style and ShareGPT
+    python benchmarks/benchmark_sensitivity.py --workloads longbench
 """
 import common
 from vllm import LLM
@@ -27,12 +28,16 @@ def run(model, work, cfg, args):
 def main():
     p = common.base_parser(__doc__)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--workloads", nargs="+", default=["longbench", "sharegpt"],
+                   choices=["longbench", "sharegpt"])
     args = p.parse_args()
     common.setup(args)
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)
-    wls = ["longbench"] if args.quick else ["longbench", "sharegpt"]
-    caps = {"longbench": (384, 96), "sharegpt": (256, 192)}
+    wls = args.workloads
+    # (prompt cap, output tokens); --quick: shorter outputs, so both workloads fit its budget
+    caps = {"longbench": (384, 64), "sharegpt": (256, 96)} if args.quick else \
+        {"longbench": (384, 96), "sharegpt": (256, 192)}
     rows = []
     for wl in wls:
         work = common.workload(wl, args.concurrency, tok, *caps[wl], args,
@@ -46,8 +51,9 @@ def main():
                              "capacity_norm": r["retained_slots"] / base["retained_slots"],
                              "tok_s_norm": r["tok_s"] / base["tok_s"],
                              "p95_norm": r["p95_ms"] / base["p95_ms"]})
+    lengths = ", ".join(f"{w} {caps[w][0]} + {caps[w][1]}" for w in wls)
     title = (f"vToken + H2O sensitivity, C={args.concurrency}, normalised to block 16 / ratio "
-             f"0.5 / threshold 0.25; {label}; {common.machine()}")
+             f"0.5 / threshold 0.25 per workload ({lengths} tokens); {label}; {common.machine()}")
     text = common.table(rows, ["workload", "factor", "value", "retained_slots", "capacity_norm",
                                "tok_s", "tok_s_norm", "p95_ms", "p95_norm", "relocations"], title)
     pyplot = common.plt()
@@ -66,7 +72,7 @@ def main():
     axes[-1].legend(fontsize=6)
     fig.suptitle(f"vToken + H2O sensitivity; {label}", fontsize=9)
     common.save("benchmark_sensitivity", {"args": vars(args), "model": label, "rows": rows,
-                                          "table": text}, fig)
+                                          "caps": caps, "table": text}, fig)
 
 
 if __name__ == "__main__":
