@@ -19,9 +19,23 @@ same requests, so load drift on a shared host hits every variant alike; a second
 is the control (its ratio to Native is the noise floor); `hook_share_%` (time
 inside the vToken hooks / the engine's own step time) does not depend on the load at all.
 
+--shape NAME runs a paper model shape (common.SIM_SHAPES) with random weights (--load-format
+dummy) on fixed-length synthetic prompts instead of the default model, --layers N of its layers:
+with --device cuda that is the GPU form of the paper's Fig. 11 (b, c), where the relocation copies
+run asynchronously beside decode and --kv-reclaim-force-sync blocks on each (on a CPU the copy is
+synchronous either way). gpu_check.sh runs it with --policy random: random weights attend almost
+uniformly, so H2O drops the newest prompt tokens in one run, whole blocks go free and nothing is
+ever relocated; random's holes are scattered, as trained attention's are.
+
     python benchmarks/benchmark_overhead.py --quick
+    python benchmarks/benchmark_overhead.py --concurrency 16 48           # the paper's C
     python benchmarks/benchmark_overhead.py --intervals 1 16 64 128 --concurrency 16
+    python benchmarks/benchmark_overhead.py --device cuda --shape llama-3.1-8b --layers 8 \
+        --policy random --concurrency 16 48 --variants naive vtoken force-sync \
+        --out benchmark_overhead_gpu
 """
+import json
+import os
 import time
 
 import numpy as np
@@ -30,15 +44,27 @@ import common
 from vllm import LLM
 
 INDIRECTION = dict(kv_eviction_policy="streamingllm", kv_eviction_ratio=0.0, kv_reclamation="vtoken")
-VARIANTS = {
-    "Native": dict(kv_eviction_policy="none"),
-    "indirection-only": INDIRECTION,
-    "Naive-Evict (H2O)": dict(kv_eviction_policy="h2o", kv_reclamation="none"),
-    "vToken (H2O)": dict(kv_eviction_policy="h2o", kv_reclamation="vtoken"),
-    "vToken force-sync (H2O)": dict(kv_eviction_policy="h2o", kv_reclamation="vtoken",
-                                    kv_reclaim_force_sync=True),
-    "Native (control)": dict(kv_eviction_policy="none"),   # same as Native: shows the noise floor
-}
+
+
+def eviction_variants(policy: str = "h2o", keys=None) -> dict:
+    """Variant name -> engine keywords, the evicting ones with `policy`; keys: a subset by
+    --variants key (Native, the reference, always)."""
+    tag = {"h2o": "H2O"}.get(policy, policy)
+    ev = dict(kv_eviction_policy=policy)
+    table = {"native": ("Native", dict(kv_eviction_policy="none")),
+             "indirection": ("indirection-only", INDIRECTION),
+             "naive": (f"Naive-Evict ({tag})", dict(ev, kv_reclamation="none")),
+             "vtoken": (f"vToken ({tag})", dict(ev, kv_reclamation="vtoken")),
+             "force-sync": (f"vToken force-sync ({tag})",
+                            dict(ev, kv_reclamation="vtoken", kv_reclaim_force_sync=True)),
+             # the same as Native: shows the noise floor
+             "control": ("Native (control)", dict(kv_eviction_policy="none"))}
+    return {name: kw for key, (name, kw) in table.items()
+            if keys is None or key in keys or key == "native"}
+
+
+VARIANTS = eviction_variants()
+VARIANT_KEYS = ["native", "indirection", "naive", "vtoken", "force-sync", "control"]
 
 
 def timed(obj, name, acc):
@@ -53,16 +79,16 @@ def timed(obj, name, acc):
     setattr(obj, name, wrapper)
 
 
-def interleaved(model, variants, work, args):
+def interleaved(model, variants, work, args, extra=None):
     """One engine per variant, all loaded with the same requests, stepped in turn (A B C A B C
-    ...), so load drift on a shared host hits every variant alike. -> per-variant results."""
+    ...), so load drift on a shared host hits every variant alike. -> per-variant results.
+    extra: engine keywords every variant gets (device, load format)."""
     from vllm import SamplingParams
     blocks = len(work) * -(-(max(len(p) + n for p, n in work) + 16) // 16) + 8
     engines, hooks, steps = {}, {}, {}
     for name, kw in variants.items():
         llm = LLM(model, max_num_seqs=len(work), seed=args.seed, num_gpu_blocks_override=blocks,
-                  kv_min_tokens=0,
-                  **kw)
+                  kv_min_tokens=0, **(extra or {}), **kw)
         eng = engines[name] = llm.llm_engine
         hooks[name], steps[name] = {}, []
     # Warm every engine once all exist (engines built earlier still step slower on this host,
@@ -112,7 +138,9 @@ def interleaved(model, variants, work, args):
             "hook_share_%": 100 * sum(hooks[name].values()) / busy[name],
             "relocation_events": kv["relocation_events"],
             "planner_ms_per_event": 1e3 * kv["planner_time_s"] / events,
-            "copy_ms_per_event": 1e3 * kv["copy_time_s"] / events,
+            # copy launch + accounting; blocked: waits on a copy (force-sync: every one)
+            "copy_ms_per_event": 1e3 * kv.get("copy_time_s", 0.0) / events,
+            "blocked_ms_per_event": 1e3 * kv.get("copy_blocked_s", 0.0) / events,
             "rewrite_ms_per_event": 1e3 * kv["table_rewrite_time_s"] / events,
             "translation_rebuilds": kv["translation_rebuilds"], "seconds": busy[name]}
     return out
@@ -129,6 +157,18 @@ def interval_variants(intervals, budget: int, scope: str = "generated") -> dict:
     return out
 
 
+def shape_model(shape: str, layers: int) -> str:
+    """A config.json of a paper shape with `layers` of its layers (random weights: dummy)."""
+    path = common.sim_config_dir(shape=shape)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = layers or cfg["num_hidden_layers"]
+    cfg.pop("layer_types", None)              # sized by the full depth
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
 def main():
     p = common.base_parser(__doc__)
     p.add_argument("--concurrency", type=int, nargs="+", default=None)
@@ -137,22 +177,38 @@ def main():
     p.add_argument("--repeats", type=int, default=2,
                    help="runs, building the engines in forward then reverse order (on this "
                         "host an engine built earlier steps slower; alternating cancels that)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--shape", default=None, choices=list(common.SIM_SHAPES),
+                   help="a paper model shape with random weights instead of --model")
+    p.add_argument("--layers", type=int, default=None, help="--shape: layers kept (default all)")
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANT_KEYS,
+                   help="a subset of the variants (Native is always run: the reference)")
+    p.add_argument("--policy", default="h2o", help="the evicting variants' policy")
+    p.add_argument("--out", default=None, help="result name (default benchmark_overhead)")
     args = p.parse_args()
     common.setup(args)
-    model, label = common.model_for(args)
-    tok = common.tokenizer_for(model)
+    extra = {} if args.device == "auto" else {"device": args.device}
+    if args.shape:
+        model, tok = shape_model(args.shape, args.layers), None
+        label = f"{args.shape} shape, {args.layers or 'all'} layers, random weights"
+        extra["load_format"] = "dummy"
+    else:
+        model, label = common.model_for(args)
+        tok = common.tokenizer_for(model)
     conc = args.concurrency or ([8] if args.quick else [8, 16])
     plen, olen = (256, 64) if args.quick else (512, 128)
     if args.intervals:
         olen = 256 if args.quick else 512          # generated tokens past the budget, many times
-    variants = interval_variants(args.intervals, plen // 2) if args.intervals else VARIANTS
+    variants = interval_variants(args.intervals, plen // 2) if args.intervals else \
+        eviction_variants(args.policy, args.variants)
     rows = []
     for c in conc:
-        work = common.workload("longbench", c, tok, plen, olen, args, fixed_output=True)
+        work = (common.workload("longbench", c, tok, plen, olen, args, fixed_output=True) if tok
+                else common.synthetic(c, plen, olen, 32000, args.seed, sigma=1e-9))
         runs = []
         for rep in range(args.repeats):     # build order forward, then reversed, ...
             names = list(variants) if rep % 2 == 0 else list(variants)[::-1]
-            runs.append(interleaved(model, {n: variants[n] for n in names}, work, args))
+            runs.append(interleaved(model, {n: variants[n] for n in names}, work, args, extra))
         res = {name: {k: float(np.mean([r[name][k] for r in runs])) for k in runs[0][name]}
                for name in variants}
         native = res["Native"]
@@ -160,7 +216,8 @@ def main():
             rows.append({"C": c, "variant": name, **r,
                          "step_vs_native": r["step_ms_median"] / native["step_ms_median"],
                          "tok_s_vs_native": r["tok_s"] / native["tok_s"]})
-    title = (f"Step time and vToken hook cost, LongBench-style {plen}-token prompts + {olen} "
+    prompts = "LongBench-style" if tok else "synthetic"
+    title = (f"Step time and vToken hook cost, {prompts} {plen}-token prompts + {olen} "
              f"tokens; {label}; {common.machine()}")
     if args.intervals:
         title = (f"tok/s against --kv-evict-interval: H2O + vToken, scope generated, budget "
@@ -177,7 +234,7 @@ def main():
     reloc = [r for r in rows if r["relocation_events"]]
     text += "\n" + common.table(reloc, ["C", "variant", "relocation_events",
                                         "planner_ms_per_event", "copy_ms_per_event",
-                                        "rewrite_ms_per_event"],
+                                        "rewrite_ms_per_event", "blocked_ms_per_event"],
                                 "Reclamation cost per relocation event (planner includes "
                                 "per-step eligibility checks)")
     pyplot = common.plt()
@@ -203,8 +260,8 @@ def main():
     ax.set_ylabel("ms per relocation event")
     ax.set_title("Reclamation cost breakdown", fontsize=9)
     ax.legend(fontsize=7)
-    common.save("benchmark_overhead", {"args": vars(args), "model": label, "rows": rows,
-                                       "table": text}, fig)
+    common.save(args.out or "benchmark_overhead", {"args": vars(args), "model": label,
+                                                   "rows": rows, "table": text}, fig)
 
 
 def interval_plot(rows, conc):

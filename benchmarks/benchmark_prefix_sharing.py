@@ -1,16 +1,21 @@
 """Prefix sharing: shared prefix + private suffix, sharing degree 1/2/4/8, prefix caching on.
 
 Requests come in groups of `degree` that share one prefix (a group's prefix is cached by a warm-up
-request first, so every member hits it; degree 1 has no reuse). The policy (TOVA by default) runs
-with a fixed token budget of prefix + suffix/8 tokens. It must be one whose prompt scores do not
-need the cached prefix's queries (TOVA scores with the last prompt query; H2O with every one, so
-H2O requests take no cache hits and share nothing: see the README). Blocks that are shared (ref
-count > 1, or prefix-cache hits) are never relocated: the planner only sees private blocks, and
-cached ones only give tokens away. The output is long, so one-in-one-out decode
-evictions leave holes in the private suffix and output blocks, which vToken repacks. Invariant checks (--kv-check-invariants: I1 per relocation, I2
-and block accounting every step) are on for both variants.
+request first, so every member hits it; degree 1 has no reuse). By default the paper's policy,
+H2O, under --kv-evict-scope generated, where the prompt is never evicted or scored, so every
+policy takes every prefix-cache hit on it (docs/eviction-policies.md), with a fixed budget of a
+quarter of the output in generated tokens. Under scope all (--kv-evict-scope all) the budget is prefix +
+suffix/8 tokens of the whole request, and the policy must be one whose prompt scores do not need
+the cached prefix's queries (TOVA scores with the last prompt query; H2O with every one, so H2O
+takes no hits there). Blocks that are shared (ref count > 1, or prefix-cache hits) are never
+relocated: the planner only sees private blocks, and cached ones only give tokens away. The
+output is long, so one-in-one-out decode evictions leave holes in the private blocks (the output's
+under scope generated, the suffix's too under all), which vToken repacks. Invariant checks
+(--kv-check-invariants: I1 per relocation, I2 and block accounting every step) are on for both
+variants.
 
     python benchmarks/benchmark_prefix_sharing.py --quick
+    python benchmarks/benchmark_prefix_sharing.py --policy tova --kv-evict-scope all
 """
 import numpy as np
 
@@ -26,12 +31,12 @@ def instrument(llm, counters):
     """Count shared blocks kept out of plans; assert no plan ever touches one."""
     bm = llm.llm_engine.kv.bm
 
-    def candidates(seq, bm_, busy):
-        blocks = np.asarray(seq.block_ids, np.int64)
-        shared = blocks[bm_.shared_mask(seq, blocks)].tolist()
-        counters["skipped"].update((seq.seq_id, b) for b in shared)
+    def candidates(req, bm_, busy):      # req: the sequence's KV state (RequestKV)
+        blocks = np.asarray(req.block_ids, np.int64)
+        shared = blocks[bm_.shared_mask(req, blocks)].tolist()
+        counters["skipped"].update((req.seq_id, b) for b in shared)
         counters["shared_now"] = set(shared)
-        return _orig_candidates(seq, bm_, busy)
+        return _orig_candidates(req, bm_, busy)
 
     def plan(snap):
         touched = set(snap.blocks.tolist()) & counters["shared_now"]
@@ -60,7 +65,7 @@ def build(tok, n, degree, prefix_len, suffix_len, out_len, seed):
 
 def run(model, prefixes, work, reclamation, warm, budget, args):
     llm = LLM(model, kv_eviction_policy=args.policy, kv_budget_tokens=budget, kv_min_tokens=0,
-              kv_reclamation=reclamation,
+              kv_reclamation=reclamation, kv_evict_scope=args.kv_evict_scope,
               enable_prefix_caching=True, kv_check_invariants=True, max_num_seqs=len(work),
               seed=args.seed)
     counters = {"skipped": set(), "plans": 0, "shared_now": set()}
@@ -86,17 +91,24 @@ def main():
     p = common.base_parser(__doc__)
     p.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--policy", default="tova", help="eviction policy (one that can share prefixes)")
+    p.add_argument("--policy", default="h2o")
+    p.add_argument("--kv-evict-scope", default="generated", choices=["generated", "all"],
+                   help="generated: the prompt is kept and takes every cache hit (any policy); "
+                        "all: use a policy that can share prefixes, e.g. tova")
+    p.add_argument("--budget", type=int, default=None,
+                   help="kv_budget_tokens (default: scope generated output/4; all prefix + "
+                        "suffix/8)")
     args = p.parse_args()
     common.setup(args)
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)
     prefix_len, suffix_len, out_len = (128, 128, 192) if args.quick else (384, 384, 384)
+    budget = args.budget or (out_len // 4 if args.kv_evict_scope == "generated" else
+                             prefix_len + suffix_len // 8)
     rows = []
     for d in args.degrees:
         prefixes, work = build(tok, args.num_requests, d, prefix_len, suffix_len, out_len,
                                args.seed)
-        budget = prefix_len + suffix_len // 8
         naive = run(model, prefixes, work, "none", d > 1, budget, args)
         vt = run(model, prefixes, work, "vtoken", d > 1, budget, args)
         same = naive["outs"] is not None and vt["outs"] is not None and all(
@@ -109,8 +121,9 @@ def main():
                      "relocations": vt["relocations"], "hit_blocks": vt["hit_blocks"],
                      "invariants": f"{naive['invariants']}/{vt['invariants']}",
                      "identical_outputs": same})
-    title = (f"Prefix sharing (prefix caching on, {args.policy}, budget {prefix_len + suffix_len // 8} "
-             f"tokens), {args.num_requests} requests of "
+    kept = "generated " if args.kv_evict_scope == "generated" else ""
+    title = (f"Prefix sharing (prefix caching on, {args.policy}, scope {args.kv_evict_scope}, "
+             f"budget {budget} {kept}tokens), {args.num_requests} requests of "
              f"{prefix_len} shared + {suffix_len} private tokens + {out_len} output; pool blocks "
              f"in use (time average); {label}; {common.machine()}")
     text = common.table(rows, ["degree", "naive_blocks", "vtoken_blocks", "reduction_%",
@@ -126,9 +139,10 @@ def main():
                 va="bottom", fontsize=7)
     ax.set_xticks(x, [f"degree {r['degree']}" for r in rows])
     ax.set_ylabel("KV blocks in use (time avg)")
-    ax.set_title(f"Shared prefix + private suffix, {args.policy}; {label}", fontsize=9)
+    ax.set_title(f"Shared prefix + private suffix, {args.policy}, scope {args.kv_evict_scope}; "
+                 f"{label}", fontsize=9)
     ax.legend(fontsize=7)
-    common.save("benchmark_prefix_sharing", {"args": vars(args), "model": label,
+    common.save("benchmark_prefix_sharing", {"args": vars(args), "model": label, "budget": budget,
                                              "rows": rows, "table": text}, fig)
 
 

@@ -1,6 +1,8 @@
 """Generation quality: paired greedy outputs Naive-Evict vs vToken (expected token-identical:
 vToken only changes where KV bytes live), and ROUGE-L F1 of each policy's output against Native
-(full KV), on the default model with ShareGPT prompts.
+(full KV), on the default model with ShareGPT prompts. The vToken runs check invariants I1 (each
+relocated token's K/V bytes equal at the destination) and I2 (unique, owned slots) every step
+(--kv-check-invariants); a violation fails the run.
 
     python benchmarks/benchmark_quality.py --quick
 """
@@ -34,9 +36,10 @@ def rouge_l(candidate: str, reference: str) -> float:
 
 
 def texts(model, work, args, **kw):
+    """-> (each request's completion, the engine's KV statistics)."""
     llm = LLM(model, max_num_seqs=len(work), seed=args.seed, **kw)
     outs, _ = common.generate(llm, work)
-    return [o.outputs[0] for o in outs]
+    return [o.outputs[0] for o in outs], llm.get_kv_stats()
 
 
 def main():
@@ -51,12 +54,12 @@ def main():
     n = args.num_prompts or (8 if args.quick else 24)
     work = common.workload("sharegpt", n, tok, 256, 96 if args.quick else 160, args,
                            fixed_output=True)
-    native = texts(model, work, args)
+    native, _ = texts(model, work, args)
     rows = []
     for policy in args.policies:
         kw = dict(kv_eviction_policy=policy, kv_eviction_ratio=args.ratio, kv_min_tokens=0)
-        naive = texts(model, work, args, kv_reclamation="none", **kw)
-        vt = texts(model, work, args, kv_reclamation="vtoken", **kw)
+        naive, _ = texts(model, work, args, kv_reclamation="none", **kw)
+        vt, kv = texts(model, work, args, kv_reclamation="vtoken", kv_check_invariants=True, **kw)
         r_naive = [rouge_l(a.text, b.text) for a, b in zip(naive, native)]
         r_vt = [rouge_l(a.text, b.text) for a, b in zip(vt, native)]
         diff = np.array(r_vt) - np.array(r_naive)
@@ -66,13 +69,16 @@ def main():
                      "rougeL_vtoken_vs_native": float(np.mean(r_vt)),
                      "mean_paired_diff": float(diff.mean()),
                      "pairs_within_0.01": float(np.mean(np.abs(diff) <= 0.01)),
+                     "relocation_events": kv["relocation_events"],
+                     "relocated_tokens": kv["relocated_tokens"],
                      "len_ratio_median": float(np.median([len(a.token_ids) / max(len(b.token_ids), 1)
                                                           for a, b in zip(vt, naive)]))})
     title = (f"Quality on ShareGPT ({n} prompts, greedy, eviction ratio {args.ratio}): Naive-Evict "
-             f"vs vToken pairs, ROUGE-L F1 vs Native; {label}; {common.machine()}")
+             f"vs vToken pairs, ROUGE-L F1 vs Native; vToken runs with I1/I2 checked every step "
+             f"(relocation events: all passed); {label}; {common.machine()}")
     text = common.table(rows, ["policy", "identical_pairs", "rougeL_naive_vs_native",
                                "rougeL_vtoken_vs_native", "mean_paired_diff",
-                               "pairs_within_0.01"], title)
+                               "pairs_within_0.01", "relocation_events"], title)
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5.5, 3.2))
     x = np.arange(len(rows))

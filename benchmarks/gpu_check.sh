@@ -21,6 +21,14 @@
 #   test_*             the GPU tests (kernels, engine, graphs, the rest of tests/gpu)
 #   sla                the SLA scan, then the fp8 KV cache's decode against bf16 KV (the
 #                      decode benchmark's fp8 part), with what is left
+#   overhead           only where nvidia-smi lists a GPU (or GPU_CHECK_CPU_DRY_RUN), with what is
+#                      left: the paper's Fig. 11 (b, c), async relocation copies against
+#                      --kv-reclaim-force-sync and Naive-Evict at C = 16 and 48
+#                      (benchmark_overhead.py --device cuda, the Llama-3.1-8B layer shape, 8
+#                      layers, random weights, so policy random: see its docstring)
+#                      -> gpu_check/overhead_gpu.json. The paper figures' run (run_paper.sh)
+#                      gives it room with GPU_CHECK_SKIP="test_kernels test_engine test_graphs
+#                      test_gpu_other".
 # The headline steps' timeouts add up to at most the budget, so each gets its whole timeout even
 # if all of them run to it; the run ends within the budget plus a step's 10 s kill grace and the
 # summary (~535 s by default; the device tool allows 600). The capacity and decode benchmarks save
@@ -93,6 +101,10 @@ out.update({"decode": bench.get("decode"), "capacity": cap_all.get("capacity"),
             "sla": cap_all.get("sla"), "fp8": cap_all.get("fp8")})
 out["benchmark_seconds"] = {**(bench.get("seconds") or {}), **(cap_all.get("seconds") or {})}
 out["relocation"] = load(f"relocation_{dev}.json")
+over = load("overhead_gpu.json") or {}
+out["overhead"] = [{k: r.get(k) for k in ("C", "variant", "tok_s", "step_ms_median",
+                                          "step_ms_p95", "relocation_events")}
+                   for r in over.get("rows", [])] or None
 dec, cap, rel = out["decode"] or {}, out["capacity"] or {}, out["relocation"] or {}
 b16 = dec.get("16", {})
 targets = {
@@ -132,6 +144,13 @@ for b, r in list((fp8.get("batches") or {}).items())[:1]:      # informational: 
     ratios = ", ".join(f"{k.split()[0]} {v:.2f}x" for k, v in r.get("ratios", {}).items())
     print(f"fp8 KV decode vs {out['dtype'] or 'auto'} KV (batch {b}, {fp8.get('context')} "
           f"tokens): {ratios or 'not measured'}")
+over = {(r["C"], r["variant"]): r for r in out["overhead"] or []}
+for c in sorted({c for c, _ in over}):                          # informational: no target
+    a, f, n = (over.get((c, v), {}).get("tok_s") for v in
+               ("vToken (random)", "vToken force-sync (random)", "Naive-Evict (random)"))
+    if a and f and n:
+        print(f"Fig. 11 at C={c}: vToken async {a / n:.2f}x Naive-Evict tok/s, force-sync "
+              f"{f / n:.2f}x")
 print(f"{'step':<20}{'status':<13}{'seconds':>8}{'timeout':>9}")
 for s in steps:
     print(f"{s['name']:<20}{s['status']:<13}{s['seconds']:>8}{s['timeout']:>9}")
@@ -251,6 +270,16 @@ cat "$PARTS/capacity_naive.log" >>"$LOG" 2>/dev/null
 tail -n 8 "$PARTS/capacity_naive.log" 2>/dev/null
 fg_step sla 240 $PY benchmarks/benchmark_gpu_decode.py --device $DEV $QUICK --parts sla fp8 \
   --out "$PARTS/capacity_sla.json"
+
+# Fig. 11 (b, c) only means something where the copies run beside decode: a GPU (its CPU flow
+# under GPU_CHECK_CPU_DRY_RUN, on the tiny model)
+if [ "$DEV" = cpu ] || nvidia-smi -L >/dev/null 2>&1; then
+  OVER=(--shape llama-3.1-8b --layers 8 --concurrency 16 48)
+  [ "$DEV" = cpu ] && OVER=(--model tiny --concurrency 2 4)
+  fg_step overhead 150 bash -c '"$@" && cp benchmarks/results/overhead_gpu.* "$0"/' "$PARTS" \
+    $PY benchmarks/benchmark_overhead.py --device $DEV $QUICK "${OVER[@]}" --repeats 1 \
+    --policy random --variants naive vtoken force-sync --out overhead_gpu
+fi
 
 trap - INT TERM
 summarize print 2>&1 | tee -a "$LOG"
