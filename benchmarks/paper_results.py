@@ -503,8 +503,11 @@ def header(page: Page, args, step_rows: List[Dict], machine: str) -> None:
     page.add("Sections: " + ", ".join(f"[{h}](#{slug(h)})" for _, h in SECTIONS), "")
     if step_rows:
         total = sum(int(r.get("seconds") or 0) for r in step_rows)
-        page.add(f"Steps (wall seconds against each step's budget; {total} s in all):", "")
-        page.add(*md_table(step_rows, ["step", "figure", "status", "seconds", "budget"]))
+        page.add(f"Steps (wall seconds against each step's budget, {total} s in all; load = "
+                 f"the host's 1-minute load average as the step started: other work, which "
+                 f"makes timings on a {cpu['cores']}-core host invalid above ~0.5):", "")
+        page.add(*md_table(step_rows, ["step", "figure", "status", "seconds", "budget",
+                                       "load"]))
 
 
 def write(args) -> str:

@@ -13,21 +13,23 @@
 #   bash benchmarks/run_paper.sh --quick --only capacity overhead   # some steps; the page is
 #                                                    # rewritten from every result in the run
 # Options: --runs N (serving scans per policy and workload, for the run-to-run spread: 2, --full
-# 3), --threads N (torch threads of every step; default all cores).
+# 3), --threads N (torch threads of every step; default all cores), --no-timeout (no step is
+# stopped past its budget: a busy host).
 #
 # Each step prints its wall time against its budget (--quick: the estimate on a quiet 2-core
 # host; a step past twice its budget is stopped and marked timeout, the others go on). Results:
 # the scripts write benchmarks/results/<name>.json and .png as always; each step then copies its
 # own into benchmarks/results/paper/ (the serving scans as serving_<workload>_<policy>_run<k>),
-# with steps.tsv (status and seconds per step), and benchmarks/paper_results.py turns that
-# folder into the page.
+# with steps.tsv (status, seconds and the host's load average as it started, per step), and
+# benchmarks/paper_results.py turns that folder into the page.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE=full DRY= ONLY= RUNS= THREADS=${THREADS:-$(nproc)} ARGS="$*"
+MODE=full DRY= ONLY= RUNS= NO_TIMEOUT= THREADS=${THREADS:-$(nproc)} ARGS="$*"
 while [ $# -gt 0 ]; do
   case $1 in
     --quick|--full|--smoke) MODE=${1#--} ;;
     --dry-run) DRY=1 ;;
+    --no-timeout) NO_TIMEOUT=1 ;;
     --runs) RUNS=$2; shift ;;
     --threads) THREADS=$2; shift ;;
     --only) while [ $# -gt 1 ] && [[ $2 != --* ]]; do ONLY="$ONLY $2"; shift; done ;;
@@ -82,7 +84,7 @@ T="--threads $THREADS"
 if [ -z "$DRY" ]; then
   [ -z "$ONLY" ] && rm -rf "$RUN"
   mkdir -p "$RUN"
-  [ -f "$RUN/steps.tsv" ] || printf 'step\tfigure\tstatus\tseconds\tbudget\tcommand\n' \
+  [ -f "$RUN/steps.tsv" ] || printf 'step\tfigure\tstatus\tseconds\tbudget\tload\tcommand\n' \
     >"$RUN/steps.tsv"
   for name in $ONLY; do           # a step run again replaces what it left before
     awk -F'\t' -v s="$name" '$1 != s' "$RUN/steps.tsv" >"$RUN/steps.tsv.tmp"
@@ -112,7 +114,7 @@ collect() {
 # print its wall time against its budget, record it in steps.tsv, then `collect` each of the
 # space-separated names in COLLECT
 run_step() {
-  local name=$1 figure=$2 budget=$3 names=$4 rc t0 status
+  local name=$1 figure=$2 budget=$3 names=$4 rc t0 status load
   shift 4
   [ "$name" = gpu ] || BUDGET_SUM=$((BUDGET_SUM + budget))
   if [ -n "$DRY" ]; then
@@ -123,14 +125,15 @@ run_step() {
   echo "   $*"
   touch "$RUN/.marker"
   sleep 1                         # a file written this second is newer than the marker
+  load=$(cut -d' ' -f1 /proc/loadavg)      # other work on the host as the step starts
   t0=$SECONDS
-  timeout --kill-after=15 $((2 * budget)) "$@"
+  timeout --kill-after=15 $([ -n "$NO_TIMEOUT" ] && echo 0 || echo $((2 * budget))) "$@"
   rc=$?
   status=$(case $rc in 0) echo ok ;; 124|137) echo timeout ;; *) echo "failed (rc $rc)" ;; esac)
   [ $rc = 0 ] || FAILED=$((FAILED + 1))
   for n in $names; do collect "$n"; done
-  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$figure" "$status" "$((SECONDS - t0))" "$budget" \
-    "$*" >>"$RUN/steps.tsv"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$figure" "$status" "$((SECONDS - t0))" \
+    "$budget" "$load" "$*" >>"$RUN/steps.tsv"
   echo "== $name: $status in $((SECONDS - t0)) s (budget $budget s)"
 }
 
@@ -206,7 +209,7 @@ if wanted gpu; then
       bash benchmarks/gpu_check.sh
   else
     echo "== gpu: no GPU here (nvidia-smi lists none): the page says which figures need one"
-    printf 'gpu\tGPU forms (Figs. 8, 9-10, 11)\tskipped (no GPU)\t0\t0\t%s\n' \
+    printf 'gpu\tGPU forms (Figs. 8, 9-10, 11)\tskipped (no GPU)\t0\t0\t-\t%s\n' \
       "bash benchmarks/gpu_check.sh" >>"$RUN/steps.tsv"
   fi
 fi

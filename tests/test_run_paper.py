@@ -88,9 +88,9 @@ def run_dir(tmp_path):
                                                  "view_bytes_per_live_token": 16.0,
                                                  "% of default (bfloat16)": 0.0217}]})
     with open(os.path.join(run, "steps.tsv"), "w") as f:
-        f.write("step\tfigure\tstatus\tseconds\tbudget\tcommand\n"
-                "capacity\tFigs. 9-10\tok\t100\t150\tpython x\n"
-                "gpu\tGPU forms\tskipped (no GPU)\t0\t0\tbash benchmarks/gpu_check.sh\n")
+        f.write("step\tfigure\tstatus\tseconds\tbudget\tload\tcommand\n"
+                "capacity\tFigs. 9-10\tok\t100\t150\t0.12\tpython x\n"
+                "gpu\tGPU forms\tskipped (no GPU)\t0\t0\t-\tbash benchmarks/gpu_check.sh\n")
     return run
 
 
@@ -109,6 +109,7 @@ def test_every_section_with_its_table_and_plot(run_dir, tmp_path):
         assert f"## {heading}" in page
     assert "Not measured" not in page
     assert "`bash benchmarks/run_paper.sh --quick`" in page and "Date: D" in page
+    assert "| capacity | Figs. 9-10 | ok | 100 | 150 | 0.12 |" in page
     assert re.search(r"CPU: .*avx512f (yes|no), avx2 (yes|no), amx (yes|no)", page)
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", page)
     assert len(links) >= 8 + 6                 # every script's plot, one per serving pair
