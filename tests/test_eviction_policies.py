@@ -77,11 +77,21 @@ def test_budget_ratio_fixed_and_minimum():
     (dict(budget_tokens=0), "--kv-budget-tokens"),
     (dict(budget_tokens=-3), "--kv-budget-tokens"),
     (dict(sink_tokens=-1), "--kv-sink-tokens"),
-    (dict(policy="lru"), "--kv-eviction-policy"),
 ])
 def test_invalid_config_names_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         KVEvictionConfig(**{"policy": "h2o", **kw})
+
+
+def test_unknown_policy_names_the_flag():
+    """Policy names are the registry's, checked where the engine side makes a config (the
+    config module itself is the workers' too, which never import the policies)."""
+    from vllm.core.eviction import make_policy
+    from vllm.engine.arg_utils import EngineArgs
+    with pytest.raises(ValueError, match="--kv-eviction-policy: must be one of"):
+        EngineArgs(kv_eviction_policy="lru").eviction_config()
+    with pytest.raises(ValueError, match="--kv-eviction-policy: must be one of"):
+        make_policy(KVEvictionConfig(policy="lru"), "r", 1)
 
 
 # ---------------------------------------------------------------- H2O
