@@ -13,6 +13,7 @@ from tests.conftest import random_prompts
 from tests.kernel_refs import key_statistic_reference
 from vllm import LLM, SamplingParams
 from vllm.core.eviction import SnapKVPolicy, TOVAPolicy
+from vllm.core.request_kv import RequestKV
 from vllm.config import KVEvictionConfig
 
 MODES = ["none", "vtoken", "vtoken-fill"]
@@ -33,12 +34,12 @@ def engine(model, **kwargs):
 
 def run(eng, prompts, params, max_steps=5000):
     """Requests one after another on the same engine (so later ones can hit the cache);
-    -> (outputs, sequences). Fails instead of hanging."""
-    outs, seqs = [], []
+    -> (outputs, their sequences' KV states). Fails instead of hanging."""
+    outs, kvs = [], []
     for i, p in enumerate(prompts):
         rid = f"r{len(eng.kv.seqs)}-{i}-{id(p)}"
         eng.add_request(rid, {"prompt_token_ids": p}, params)
-        seqs.append(eng.requests[rid].seqs[0])
+        kvs.append(eng.kv.requests[eng.requests[rid].seqs[0].seq_id])
         done = None
         for _ in range(max_steps):
             for o in eng.step():
@@ -49,15 +50,15 @@ def run(eng, prompts, params, max_steps=5000):
         outs.append(done)
     eng.check_invariants()
     assert eng.kv.bm.num_free_blocks == eng.kv.num_blocks
-    return outs, seqs
+    return outs, kvs
 
 
 def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def logs(seqs):
-    return [[a.tolist() for a in s.eviction_log] for s in seqs]
+def logs(kvs):
+    return [[a.tolist() for a in k.eviction_log] for k in kvs]
 
 
 # ---- items 1, 2, 5: prefix caching under eviction -------------------------------------------------
@@ -76,8 +77,8 @@ def test_chat_follow_up_same_with_and_without_prefix_cache(tiny_llama, policy, m
         eng = engine(tiny_llama, enable_prefix_caching=caching, **args)
         (turn1,), _ = run(eng, [first], greedy(40))
         follow = first + turn1.outputs[0].token_ids + random_prompts(1, seed=22, lo=9, hi=10)[0]
-        outs, seqs = run(eng, [follow], greedy(24))
-        results[caching] = (tokens(outs), logs(seqs), eng.get_kv_stats())
+        outs, kvs = run(eng, [follow], greedy(24))
+        results[caching] = (tokens(outs), logs(kvs), eng.get_kv_stats())
     assert results[True][:2] == results[False][:2]
     hits = results[True][2]["prefix_cache_hit_blocks"]
     if policy == "h2o":            # H2O scores every prompt query: no hit may skip one
@@ -94,8 +95,8 @@ def test_cached_prompt_blocks_survive_relocation(tiny_llama, mode):
     prompt = random_prompts(1, seed=23, lo=96, hi=97)[0]
     eng = engine(tiny_llama, enable_prefix_caching=True, kv_eviction_policy="tova",
                  kv_reclamation=mode, kv_frag_threshold=0.0)
-    outs, seqs = run(eng, [prompt, prompt], greedy(48))
-    assert tokens(outs)[0] == tokens(outs)[1] and logs(seqs)[0] == logs(seqs)[1]
+    outs, kvs = run(eng, [prompt, prompt], greedy(48))
+    assert tokens(outs)[0] == tokens(outs)[1] and logs(kvs)[0] == logs(kvs)[1]
     assert eng.get_kv_stats()["prefix_cache_hit_blocks"] == (len(prompt) - 1) // 8
     if mode == "vtoken":
         assert eng.get_kv_stats()["relocation_events"] > 0
@@ -110,7 +111,7 @@ def test_cache_invariant_catches_a_written_cached_block(tiny_llama):
     eng.step()
     seq = eng.requests["a"].seqs[0]
     tt = eng.kv.token_table
-    assert eng.kv.bm.pool.hashed[seq.block_ids[0]]
+    assert eng.kv.bm.pool.hashed[eng.kv.requests[seq.seq_id].block_ids[0]]
     slots = tt.all_slots(seq.seq_id)
     slots[[1, 2]] = slots[[2, 1]]          # two tokens of a cached block swap places
     with pytest.raises(AssertionError, match="prefix-cache entry"):
@@ -139,8 +140,8 @@ def test_prefill_scores_only_the_policys_query_window(tiny_llama, policy, chunk)
     expect = cls(cfg, "ref", 4).on_prefill(np.arange(len(prompt)), colsum, len(prompt))
     kwargs = dict(max_num_batched_tokens=chunk) if chunk else {}
     eng = engine(tiny_llama, kv_eviction_policy=policy, kv_eviction_ratio=0.5, **kwargs)
-    _, (seq,) = run(eng, [prompt], greedy(1))
-    assert seq.eviction_log[0].tolist() == expect.tolist()
+    _, (kv,) = run(eng, [prompt], greedy(1))
+    assert kv.eviction_log[0].tolist() == expect.tolist()
 
 
 # ---- items 3, 7, 8: preemption of a request that outgrew the pool -----------------------------------
@@ -184,8 +185,8 @@ def test_start_up_warns_when_max_model_len_exceeds_the_pool(tiny_llama, caplog):
 
 def test_eviction_log_is_opt_in(tiny_llama):
     eng = engine(tiny_llama, kv_eviction_policy="h2o", kv_eviction_log=False)
-    _, (seq,) = run(eng, random_prompts(1, seed=5, lo=60, hi=61), greedy(8))
-    assert seq.eviction_log is None and seq.kv_stats["evicted_tokens"] > 0
+    _, (kv,) = run(eng, random_prompts(1, seed=5, lo=60, hi=61), greedy(8))
+    assert kv.eviction_log is None and kv.kv_stats["evicted_tokens"] > 0
 
 
 def test_every_block_is_usable_under_vtoken(tiny_llama):
@@ -202,7 +203,7 @@ def key_statistic_steps(eng, seq, steps: int):
     """Decode steps of a request over budget whose policy reads a key statistic: each step asks
     for no attention statistics and hands the policy its view's statistic. Yields (view ids,
     their slots as the step read them) after each step."""
-    tt = eng.kv.token_table
+    tt, kv = eng.kv.token_table, eng.kv.requests[seq.seq_id]
     for _ in range(steps):
         new = seq.num_tokens - 1
         view = np.append(tt.live_ids(seq.seq_id), new)
@@ -210,7 +211,7 @@ def key_statistic_steps(eng, seq, steps: int):
         req = eng.kv.score_request([(seq, 1)])
         assert not req.decode and not req.prefill_from
         eng.step()
-        assert seq.policy.score_ids.tolist() == view.tolist()
+        assert kv.policy.score_ids.tolist() == view.tolist()
         yield view, torch.from_numpy(np.append(before, tt.slots(seq.seq_id, new, new + 1)))
 
 
@@ -224,22 +225,22 @@ def test_key_score_policies_read_the_cached_keys(tiny_llama, policy, kind):
     eng.add_request("k", {"prompt_token_ids": random_prompts(1, seed=62, lo=60, hi=61)[0]},
                     greedy(12))
     seq = eng.requests["k"].seqs[0]
-    tt = eng.kv.token_table
+    tt, kv = eng.kv.token_table, eng.kv.requests[seq.seq_id]
     eng.step()                                            # the prompt: evicts down to 24
-    assert seq.kv_stats["evicted_tokens"] == 36 and len(seq.policy.score_ids) == 60
+    assert kv.kv_stats["evicted_tokens"] == 36 and len(kv.policy.score_ids) == 60
     for view, slots in key_statistic_steps(eng, seq, 4):
         want = key_statistic_reference(eng.kv_caches.double(), slots, kind)
-        assert np.allclose(seq.policy.score, want, atol=1e-5)
+        assert np.allclose(kv.policy.score, want, atol=1e-5)
         gone = np.setdiff1d(view, tt.live_ids(seq.seq_id))
-        assert len(gone) == 1 and gone[0] == view[np.argmax(seq.policy.score[:-1])]
+        assert len(gone) == 1 and gone[0] == view[np.argmax(kv.policy.score[:-1])]
     # under budget the statistic is never computed
     eng2 = engine(tiny_llama, kv_eviction_policy=policy, kv_budget_tokens=500)
     eng2.add_request("k", {"prompt_token_ids": random_prompts(1, seed=62, lo=60, hi=61)[0]},
                      greedy(3))
-    seq2 = eng2.requests["k"].seqs[0]
+    kv2 = eng2.kv.requests[eng2.requests["k"].seqs[0].seq_id]
     for _ in range(3):
         eng2.step()
-    assert len(seq2.policy.score_ids) == 0
+    assert len(kv2.policy.score_ids) == 0
 
 
 def hf_masked_logprobs(model_dir, prompt, visible: np.ndarray) -> torch.Tensor:
@@ -270,6 +271,7 @@ def test_streamed_prompt_evicts_per_chunk_and_matches_transformers(tiny_llama, p
     for i, p in enumerate(prompts):
         eng.add_request(f"s{i}", {"prompt_token_ids": p}, params)
         seqs.append(eng.requests[f"s{i}"].seqs[0])
+    kvs = [eng.kv.requests[s.seq_id] for s in seqs]   # kept: the engine drops them at the end
     evicted_at = [dict() for _ in prompts]           # logical id -> tokens computed at eviction
     seen = [0, 0]
     outs = {}
@@ -277,7 +279,7 @@ def test_streamed_prompt_evicts_per_chunk_and_matches_transformers(tiny_llama, p
         for o in eng.step():
             outs[o.request_id] = o
         for k, seq in enumerate(seqs):
-            log = seq.eviction_log or []
+            log = kvs[k].eviction_log or []
             for batch in log[seen[k]:]:
                 assert seq.num_computed_tokens % 16 == 0 or \
                     seq.num_computed_tokens >= len(prompts[k]), "evicted off a chunk boundary"
@@ -295,3 +297,63 @@ def test_streamed_prompt_evicts_per_chunk_and_matches_transformers(tiny_llama, p
         out = outs[f"s{k}"]
         got = torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], p[1:])])
         assert torch.allclose(got, want, atol=1e-4), policy
+
+
+# ---- the KV state's lifetime: one RequestKV per live sequence, none leaked ------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_kv_state_lives_exactly_as_long_as_its_request(tiny_llama, mode):
+    """A sequence's RequestKV exists from add_request until its request's final output is
+    delivered (its kv_stats are in it) or the request is aborted. Through preemptions (a small
+    pool), aborts of waiting and running requests and the samples of n = 2 requests finishing
+    apart, the KV manager holds exactly the unfinished requests' sequences after every step
+    (check_invariants), and nothing once all are done."""
+    eng = engine(tiny_llama, num_gpu_blocks_override=12, kv_eviction_policy="h2o",
+                 kv_budget_tokens=40, kv_reclamation=mode, max_num_batched_tokens=32)
+    prompts = random_prompts(8, seed=91, lo=30, hi=50)
+    # temperature 1 over a near-uniform vocabulary: each step stops a sample with p ~ 1/4
+    pair = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=40,
+                          stop_token_ids=list(range(3, 3 + 128)))
+    seen_apart, finals = False, {}
+    for i, p in enumerate(prompts):
+        eng.add_request(f"q{i}", {"prompt_token_ids": p}, pair if i % 3 == 0 else greedy(40))
+    assert set(eng.kv.requests) == {s.seq_id for st in eng.requests.values() for s in st.seqs}
+    eng.abort_request("q7")                          # still waiting
+    for step in range(3000):
+        if step == 6:
+            running = eng.scheduler.running[0].request_id
+            eng.abort_request(running)               # holding KV
+            finals[running] = None
+        for o in eng.step():
+            if o.finished:
+                finals[o.request_id] = o
+                assert "blocks_at_finish" in o.kv_stats   # read before the drop
+        for st in eng.requests.values():             # a finished sample keeps its RequestKV
+            done = [s for s in st.seqs if s.is_finished]
+            seen_apart |= 0 < len(done) < len(st.seqs)
+            assert all(s.seq_id in eng.kv.requests and s.seq_id not in eng.kv.seqs
+                       for s in done)
+        eng.check_invariants()                       # RequestKVs == the live sequences
+        if not eng.has_unfinished_requests():
+            break
+    assert len(finals) == 7 and eng.scheduler.num_preemptions > 0 and seen_apart
+    assert not eng.kv.requests and not eng.kv.seqs and len(eng.kv.token_table) == 0
+    assert eng.kv.bm.num_free_blocks == eng.kv.num_blocks
+
+
+def test_preemption_resets_the_admission_state_and_keeps_the_request_state():
+    """RequestKV.reset_for_recompute: blocks, cache counts, policy state and figures go (the
+    re-prefill starts over); the config, prefix hashes and an opted-in log's on/off stay."""
+    cfg = KVEvictionConfig(policy="h2o", min_tokens=0)
+    kv = RequestKV("s", cfg, block_ids=[3, 4], num_cached_blocks=1, shared_blocks={3},
+                   block_hashes=[11, 12], clean_tokens=9, policy=object(), prefill_end=20,
+                   policy_ran=True, prefill_colsum=np.ones(20, np.float32),
+                   eviction_log=[np.arange(2)], kv_stats={"evicted_tokens": 2})
+    kv.reset_for_recompute()
+    assert (kv.block_ids, kv.num_cached_blocks, kv.shared_blocks, kv.clean_tokens, kv.policy,
+            kv.prefill_colsum, kv.kv_stats, kv.eviction_log) == ([], 0, set(), None, None, None,
+                                                                 {}, [])
+    assert kv.kv_config is cfg and kv.block_hashes == [11, 12]
+    assert kv.prefill_end == 20 and kv.policy_ran      # set again at the next admission
+    off = RequestKV("t", cfg)
+    off.reset_for_recompute()
+    assert off.eviction_log is None

@@ -101,10 +101,11 @@ def solo(model, cfg: dict, rid: str, prompt: List[int], p: SamplingParams) -> Li
         eng = LLM(model, kv_eviction_log=True, **ref_cfg).llm_engine
         eng.add_request(rid, {"prompt_token_ids": prompt}, p)
         seqs = eng.requests[rid].seqs
+        kvs = [eng.kv.requests[s.seq_id] for s in seqs]
         while eng.has_unfinished_requests():
             eng.step()
-        _SOLO[key] = [(s.output_token_ids, [a.tolist() for a in s.eviction_log or []])
-                      for s in seqs]
+        _SOLO[key] = [(s.output_token_ids, [a.tolist() for a in kv.eviction_log or []])
+                      for s, kv in zip(seqs, kvs)]
     return _SOLO[key]
 
 
@@ -116,7 +117,7 @@ class Traffic:
         self.eng = llm.llm_engine
         if self.eng.kv_config.reclaims and tp == 1:
             self.eng.set_relocation_executor(DelayedRelocationExecutor(self.eng.kv_caches, delay))
-        self.requests = {}         # rid -> (prompt, params, seqs)
+        self.requests = {}         # rid -> (prompt, params, seqs, their RequestKVs)
         self.aborted = set()
         self.steps = 0
 
@@ -128,13 +129,14 @@ class Traffic:
             self.eng.add_request(rid, {"prompt_token_ids": prompt}, p)
         except ValueError:          # longer than the pool: refused, nothing held
             return
-        self.requests[rid] = (prompt, p, self.eng.requests[rid].seqs)
+        seqs = self.eng.requests[rid].seqs
+        self.requests[rid] = (prompt, p, seqs, [self.eng.kv.requests[s.seq_id] for s in seqs])
 
     def follow(self, pick: int, new: int) -> None:
-        done = [r for r, (_, _, seqs) in self.requests.items()
+        done = [r for r, (_, _, seqs, _) in self.requests.items()
                 if all(s.is_finished for s in seqs) and r not in self.aborted]
         if done:
-            prompt, _, seqs = self.requests[done[pick % len(done)]]
+            prompt, _, seqs, _ = self.requests[done[pick % len(done)]]
             turn = [(pick + 13 * i) % (VOCAB - 3) + 3 for i in range(4)]
             self.add(prompt + seqs[0].output_token_ids + turn, params(new, 1, 0))
 
@@ -160,16 +162,17 @@ class Traffic:
 
     def check_identity(self) -> int:
         checked = 0
-        for rid, (prompt, p, seqs) in self.requests.items():
+        for rid, (prompt, p, seqs, kvs) in self.requests.items():
             if rid in self.aborted or any(s.num_preemptions or s.finish_reason != "length"
                                           for s in seqs):
                 continue
-            got = [(s.output_token_ids, [a.tolist() for a in s.eviction_log]) for s in seqs]
+            got = [(s.output_token_ids, [a.tolist() for a in kv.eviction_log])
+                   for s, kv in zip(seqs, kvs)]
             assert got == solo(self.model, self.cfg, rid, prompt, p), f"{rid} differs from solo, {self.cfg}"
             native = solo(self.model, native_cfg(self.cfg), rid, prompt, p)
-            for s, (tokens, _) in zip(seqs, native):
-                clean = len(tokens) if s.clean_tokens is None else \
-                    max(s.clean_tokens - len(prompt) + 1, 0)    # sampled with the full context
+            for s, kv, (tokens, _) in zip(seqs, kvs, native):
+                clean = len(tokens) if kv.clean_tokens is None else \
+                    max(kv.clean_tokens - len(prompt) + 1, 0)   # sampled with the full context
                 assert s.output_token_ids[:clean] == tokens[:clean], \
                     f"{rid} differs from Native before its first eviction, {self.cfg}"
                 OPS["native_prefix"] += clean
@@ -232,7 +235,7 @@ def play(t: Traffic, program) -> None:
     OPS["cache_hit_blocks"] += stats["prefix_cache_hit_blocks"]
     OPS["relocations"] += stats["relocation_events"]
     OPS["exhausted"] += sum(s.finish_reason == "kv_cache_exhausted"
-                            for _, _, seqs in t.requests.values() for s in seqs)
+                            for _, _, seqs, _ in t.requests.values() for s in seqs)
 
 
 def test_harness_ran_enough_operations():

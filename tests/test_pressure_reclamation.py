@@ -16,11 +16,19 @@ from vllm.sequence import Sequence
 BS = 4
 
 
+class Sched(Scheduler):
+    """The scheduler as the engine drives it: a sequence's KV state is added with it."""
+
+    def add(self, seq: Sequence) -> None:
+        self.kv.add_request(seq.seq_id)
+        super().add(seq)
+
+
 def make(num_blocks: int, reclamation: str = "vtoken"):
     cfg = KVEvictionConfig(policy="h2o", reclamation=reclamation, check_invariants=True,
                            min_tokens=0)
     kv = KVManager(num_blocks, BS, False, cfg, num_layer_heads=1)
-    return kv, Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128), kv)
+    return kv, Sched(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128), kv)
 
 
 def seq(i: int, n: int) -> Sequence:
@@ -64,7 +72,7 @@ def two_sparse_requests(num_blocks: int, reclamation: str = "vtoken"):
     for s in (a, b):                   # one dead token in each of blocks 0..3
         kv.token_table.evict_tokens(s.seq_id, np.array([1, 5, 9, 13]))
     if kv.reclaimer is not None:
-        kv.reclaimer.plan_step(list(kv.seqs.values()))
+        kv.reclaimer.plan_step([kv.requests[s] for s in kv.seqs])
         assert not kv.reclaimer.pending, "12.5% dead is under the threshold: no plan"
     return kv, sched, a, b
 

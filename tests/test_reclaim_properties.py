@@ -51,7 +51,9 @@ class Harness:
         seq = Sequence(str(self.next_id), str(self.next_id), 0, None, list(range(n)),
                        SamplingParams(), None)
         self.next_id += 1
+        self.kvm.add_request(seq.seq_id)
         if not self.kvm.can_allocate(seq, [], n):
+            self.kvm.drop_request(seq.seq_id)
             return
         self.kvm.allocate(seq, [], n)
         self.write(seq, 0, n)
@@ -71,22 +73,28 @@ class Harness:
         live = self.bm.token_table.live_ids(seq.seq_id)[:-1]      # the newest token stays
         pick = np.random.default_rng(seed).permutation(live)[:int(frac * len(live))]
         self.bm.token_table.evict_tokens(seq.seq_id, np.sort(pick))
-        self.kvm.eviction.free_dead_blocks(seq)
+        self.kvm.eviction.free_dead_blocks(self.state(seq))
 
     def reclaim(self) -> None:
         """One engine step's worth: plan (after a step), copies (schedule), execute, apply."""
-        self.backend.plan_step(self.running)
+        self.backend.plan_step([self.state(s) for s in self.running])
         self.step_copies()
 
     def step_copies(self) -> None:
         self.kvm.copies_done(self.executor.execute(self.kvm.take_copies()))
 
     def remove(self, i: int) -> None:
-        self.kvm.free(self.running.pop(i))
+        seq = self.running.pop(i)
+        self.kvm.free(seq)
+        self.kvm.drop_request(seq.seq_id)
+
+    def state(self, seq: Sequence):
+        """The sequence's KV state (RequestKV)."""
+        return self.kvm.requests[seq.seq_id]
 
     def check(self) -> None:
         tt = self.bm.token_table
-        self.kvm.check_invariants()                                              # I2, accounting
+        self.kvm.check_invariants({s.seq_id for s in self.running})   # I2, accounting, no leak
         for seq in self.running:
             ids = tt.live_ids(seq.seq_id)
             slots = torch.from_numpy(tt.live_slots(seq.seq_id).astype(np.int64))
@@ -134,7 +142,7 @@ def test_reclaim_packs_to_ideal_footprint():
     # the tail block is never a candidate, so ideal = ceil(live outside tail / BS) + tail
     tail = h.bm.token_table.tail_block(seq.seq_id)
     in_tail = int(h.bm.token_table.block_occupancy(seq.seq_id, [tail])[0])
-    assert len(seq.block_ids) == -(-(live - in_tail) // BS) + 1
+    assert len(h.state(seq).block_ids) == -(-(live - in_tail) // BS) + 1
     assert h.backend.events == 1
 
 
@@ -144,15 +152,15 @@ def test_delayed_completion_defers_moves_and_frees():
     seq = h.running[0]
     h.evict(0, 0.5, seed=5)
     before_slots = h.bm.token_table.all_slots(seq.seq_id).copy()
-    before_blocks = list(seq.block_ids)
+    before_blocks = list(h.state(seq).block_ids)
     h.reclaim()                                        # submits; completes 2 steps later
-    assert h.backend.in_flight and list(seq.block_ids) == before_blocks
+    assert h.backend.in_flight and list(h.state(seq).block_ids) == before_blocks
     assert (h.bm.token_table.all_slots(seq.seq_id) == before_slots).all()
     h.append(0, 1)                                     # decoding continues meanwhile: a step
     h.check()
     assert h.backend.in_flight                         # 1 step left
     h.reclaim()                                        # lands, moves applied, blocks freed
-    assert not h.backend.in_flight and len(seq.block_ids) < len(before_blocks)
+    assert not h.backend.in_flight and len(h.state(seq).block_ids) < len(before_blocks)
     h.check()
 
 
@@ -171,9 +179,9 @@ def test_shared_blocks_never_planned():
     h = Harness(delay=0, frag=0.0)
     h.add(32)
     seq = h.running[0]
-    shared = seq.block_ids[:3]
+    shared = h.state(seq).block_ids[:3]
     h.bm.pool.touch(shared)                            # another request holds the prefix
-    cands = candidate_blocks(seq, h.bm, busy=set())
+    cands = candidate_blocks(h.state(seq), h.bm, busy=set())
     assert not set(shared) & set(cands.tolist())
     h.bm.pool.release(shared)
 
@@ -183,14 +191,14 @@ def test_hole_filling_reuses_dead_slots_before_growing():
     h.add(32)                                          # 8 full blocks
     seq = h.running[0]
     h.evict(0, 0.25, seed=1)                           # 7 holes
-    holes = h.kvm.filler.holes(seq, 100)
-    blocks = list(seq.block_ids)
+    holes = h.kvm.filler.holes(h.state(seq), 100)
+    blocks = list(h.state(seq).block_ids)
     h.append(0, len(holes))                            # all land in holes: no new block
-    assert seq.block_ids == blocks
+    assert h.state(seq).block_ids == blocks
     assert (h.bm.token_table.slots(seq.seq_id, 32, 32 + len(holes)) == holes).all()
     h.check()
     h.append(0, 1)                                     # no hole left: the tail grows
-    assert len(seq.block_ids) == len(blocks) + 1
+    assert len(h.state(seq).block_ids) == len(blocks) + 1
     h.check()
 
 
@@ -202,11 +210,11 @@ def test_hole_filling_skips_in_flight_and_shared_blocks():
     h.reclaim()                                        # plan in flight for 3 steps
     busy = h.backend.busy_blocks(seq.seq_id)
     assert busy
-    holes = h.kvm.filler.holes(seq, 100)
+    holes = h.kvm.filler.holes(h.state(seq), 100)
     assert not set((holes // BS).tolist()) & busy
-    shared = [b for b in seq.block_ids if b not in busy][:1]
+    shared = [b for b in h.state(seq).block_ids if b not in busy][:1]
     h.bm.pool.touch(shared)
-    assert not set((h.kvm.filler.holes(seq, 100) // BS).tolist()) & set(shared)
+    assert not set((h.kvm.filler.holes(h.state(seq), 100) // BS).tolist()) & set(shared)
     h.bm.pool.release(shared)
 
 
@@ -218,7 +226,7 @@ def test_evict_token_hides_one_token_and_keeps_occupancy_derived():
     tt.evict_token(seq.seq_id, 5)
     assert tt.live_ids(seq.seq_id).tolist() == [0, 1, 2, 3, 4, 6, 7]
     assert tt.num_live(seq.seq_id) == 7
-    assert tt.block_occupancy(seq.seq_id, seq.block_ids).tolist() == [4, 3]
+    assert tt.block_occupancy(seq.seq_id, h.state(seq).block_ids).tolist() == [4, 3]
     with pytest.raises(AssertionError, match="already dead"):
         tt.evict_token(seq.seq_id, 5)
     h.check()

@@ -4,7 +4,7 @@ is delayed by N engine steps and whose destinations hold NaN until the copy land
 - decoding continues while plans are in flight (requests decode tokens during their window);
 - attention keeps reading the old slots: no view or write slot touches an in-flight copy's
   slots, and every slot a step reads is finite;
-- apply_moves and block freeing wait for completion: token-table slots and seq.block_ids stay
+- apply_moves and block freeing wait for completion: token-table slots and block_ids stay
   unchanged while pending, apply_moves only sees landed copies, no freed block holds one;
 - greedy outputs are token-identical to Naive-Evict with the same policy.
 Plus the executor's CPU state machine."""
@@ -47,7 +47,8 @@ class ProbeExecutor(DelayedRelocationExecutor):
             seq = self.kv.seqs[seq_id]
             assert (tt.all_slots(seq_id)[plan.token_ids] == plan.src_slots).all(), \
                 "moved before completion"
-            assert set(plan.freed_blocks) <= set(seq.block_ids), "freed before completion"
+            assert set(plan.freed_blocks) <= set(self.kv.requests[seq_id].block_ids), \
+                "freed before completion"
             self.windows.setdefault(id(plan), set()).add(seq.num_computed_tokens)
         super().step()
 

@@ -354,15 +354,16 @@ def test_value_random_reads_the_cached_value_norms(tiny_llama, kv_cache_dtype):
     eng.add_request("v", {"prompt_token_ids": random_prompts(1, seed=62, lo=40, hi=41)[0]},
                     SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     seq = eng.requests["v"].seqs[0]
+    state = eng.kv.requests[seq.seq_id]
     eng.step()
-    assert len(seq.policy.score_ids) == 40 and seq.kv_stats["evicted_tokens"] == 16
+    assert len(state.policy.score_ids) == 40 and state.kv_stats["evicted_tokens"] == 16
     for _, slots in key_statistic_steps(eng, seq, 3):
         kv = eng.kv_caches
         cache64 = kv.to(torch.float64)
         if kv_quant.is_fp8(kv):
             cache64 *= kv_quant.scales_of(kv).double().view(-1, 1, 2, 1, 1)
         want = key_statistic_reference(cache64, slots, "value_norm")
-        np.testing.assert_allclose(seq.policy.score, want, rtol=1e-5)
+        np.testing.assert_allclose(state.policy.score, want, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- end to end
@@ -386,13 +387,14 @@ def run_engine(model, prompts, settings, **kw):
     seqs = []
     for i, (p, ev) in enumerate(zip(prompts, settings)):
         eng.add_request(f"q{i}", {"prompt_token_ids": p}, GREEDY, kv_eviction=ev)
-        seqs.append(eng.requests[f"q{i}"].seqs[0])
+        seq = eng.requests[f"q{i}"].seqs[0]
+        seqs.append((seq, eng.kv.requests[seq.seq_id]))
     while eng.has_unfinished_requests():
         eng.step()
     eng.check_invariants()
     assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
-    return [(tuple(s.output_token_ids), [a.tolist() for a in s.eviction_log or []], len(p))
-            for s, p in zip(seqs, prompts)], llm.get_kv_stats()
+    return [(tuple(s.output_token_ids), [a.tolist() for a in kv.eviction_log or []], len(p))
+            for (s, kv), p in zip(seqs, prompts)], llm.get_kv_stats()
 
 
 @pytest.fixture(scope="module")

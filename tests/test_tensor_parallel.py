@@ -34,11 +34,12 @@ def run(model: str, tp: int, **cfg) -> Tuple[Dict[str, tuple], dict]:
               **cfg)
     eng = llm.llm_engine
     try:
-        seqs = {}
+        seqs = {}                  # request id -> (sequence, its RequestKV)
 
         def add(i):
             eng.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[i]}, GREEDY)
-            seqs[f"r{i}"] = eng.requests[f"r{i}"].seqs[0]
+            seq = eng.requests[f"r{i}"].seqs[0]
+            seqs[f"r{i}"] = seq, eng.kv.requests[seq.seq_id]
         for i in range(3):
             add(i)
         steps = 0
@@ -53,8 +54,8 @@ def run(model: str, tp: int, **cfg) -> Tuple[Dict[str, tuple], dict]:
                 eng.abort_request("r4")
             assert steps < 500
         assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
-        return ({rid: (tuple(s.output_token_ids), [a.tolist() for a in s.eviction_log or []])
-                 for rid, s in seqs.items() if rid != "r4"}, eng.get_kv_stats())
+        return ({rid: (tuple(s.output_token_ids), [a.tolist() for a in kv.eviction_log or []])
+                 for rid, (s, kv) in seqs.items() if rid != "r4"}, eng.get_kv_stats())
     finally:
         eng.shutdown()
 

@@ -13,7 +13,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def run(model, prompts, params=GREEDY, ids=None, **kwargs):
-    """Generate through the engine, keeping each sequence (for its eviction log and stats)."""
+    """Generate through the engine, keeping each sequence's KV state (RequestKV: its eviction
+    log and stats), which outlives the engine's hold on it."""
     kwargs.setdefault("kv_check_invariants", True)
     kwargs.setdefault("kv_eviction_log", True)
     kwargs.setdefault("kv_min_tokens", 0)          # short test prompts: evict from the start
@@ -21,10 +22,10 @@ def run(model, prompts, params=GREEDY, ids=None, **kwargs):
     llm = LLM(model, **kwargs)
     eng = llm.llm_engine
     ids = ids or [f"req{i}" for i in range(len(prompts))]
-    seqs = {}
+    kvs = {}
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, {"prompt_token_ids": p}, params)
-        seqs[rid] = eng.requests[rid].seqs[0]
+        kvs[rid] = eng.kv.requests[eng.requests[rid].seqs[0].seq_id]
     outs = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -32,11 +33,11 @@ def run(model, prompts, params=GREEDY, ids=None, **kwargs):
     eng.check_invariants()
     assert eng.kv.bm.num_free_blocks == eng.kv.bm.num_blocks
     assert len(eng.kv.bm.token_table) == 0
-    return llm, [outs[r] for r in ids], [seqs[r] for r in ids]
+    return llm, [outs[r] for r in ids], [kvs[r] for r in ids]
 
 
-def logs(seqs):
-    return [[a.tolist() for a in s.eviction_log] for s in seqs]
+def logs(kvs):
+    return [[a.tolist() for a in k.eviction_log] for k in kvs]
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +47,21 @@ def long_prompts():
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_naive_evict_and_vtoken_are_token_identical(tiny_llama, long_prompts, policy):
-    _, naive, naive_seqs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
-                               kv_reclamation="none")
-    llm, vtok, vtok_seqs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
-                               kv_reclamation="vtoken", kv_frag_threshold=0.0)
+    _, naive, naive_kvs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
+                              kv_reclamation="none")
+    llm, vtok, vtok_kvs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
+                              kv_reclamation="vtoken", kv_frag_threshold=0.0)
     _identical_with_streamed_prompts(tiny_llama, long_prompts, policy)
     assert [o.outputs[0].token_ids for o in vtok] == [o.outputs[0].token_ids for o in naive]
-    assert logs(vtok_seqs) == logs(naive_seqs)
+    assert logs(vtok_kvs) == logs(naive_kvs)
     assert all(o.kv_stats["evicted_tokens"] > 0 for o in vtok)
     if policy != "sliding-window":   # a sliding window only ever drops whole oldest blocks
         assert llm.get_kv_stats()["relocation_events"] > 0
     assert sum(o.kv_stats["mean_blocks"] for o in vtok) <= sum(o.kv_stats["mean_blocks"] for o in naive)
-    fill_llm, fill, fill_seqs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
-                                    kv_reclamation="vtoken-fill", kv_frag_threshold=0.0)
+    fill_llm, fill, fill_kvs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
+                                   kv_reclamation="vtoken-fill", kv_frag_threshold=0.0)
     assert [o.outputs[0].token_ids for o in fill] == [o.outputs[0].token_ids for o in naive]
-    assert logs(fill_seqs) == logs(naive_seqs)
+    assert logs(fill_kvs) == logs(naive_kvs)
     fill_stats, vtok_stats = fill_llm.get_kv_stats(), llm.get_kv_stats()
     assert fill_stats["hole_slots_reused"] > 0
     assert fill_stats["bytes_moved"] <= vtok_stats["bytes_moved"] or policy == "scissorhands"
@@ -69,11 +70,11 @@ def test_naive_evict_and_vtoken_are_token_identical(tiny_llama, long_prompts, po
 def _identical_with_streamed_prompts(model, prompts, policy):
     """--kv-prefill-chunk: the prompts evict as they stream in, also while vToken relocates."""
     args = dict(kv_eviction_policy=policy, kv_prefill_chunk=24, max_num_batched_tokens=40)
-    _, naive, naive_seqs = run(model, prompts, kv_reclamation="none", **args)
-    _, vtok, vtok_seqs = run(model, prompts, kv_reclamation="vtoken", kv_frag_threshold=0.0,
-                             **args)
+    _, naive, naive_kvs = run(model, prompts, kv_reclamation="none", **args)
+    _, vtok, vtok_kvs = run(model, prompts, kv_reclamation="vtoken", kv_frag_threshold=0.0,
+                            **args)
     assert [o.outputs[0].token_ids for o in vtok] == [o.outputs[0].token_ids for o in naive]
-    assert logs(vtok_seqs) == logs(naive_seqs)
+    assert logs(vtok_kvs) == logs(naive_kvs)
 
 
 def test_policy_none_with_vtoken_matches_native(tiny_llama, long_prompts):
@@ -118,7 +119,7 @@ def test_prefix_sharing_keeps_shared_blocks_and_matches_naive(tiny_llama):
     base = random_prompts(1, seed=9, lo=96, hi=97)[0]
     prompts = [base + q for q in random_prompts(4, seed=10, lo=40, hi=60)]
     common = dict(kv_eviction_policy="h2o", enable_prefix_caching=True, kv_frag_threshold=0.0)
-    llm, outs, seqs = run(tiny_llama, prompts, kv_reclamation="vtoken", **common)
+    llm, outs, _ = run(tiny_llama, prompts, kv_reclamation="vtoken", **common)
     _, naive, _ = run(tiny_llama, prompts, kv_reclamation="none", **common)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in naive]
 
@@ -138,9 +139,8 @@ def test_shared_prefix_blocks_are_never_relocated(tiny_llama):
 
     def spy():
         for p in backend.pending.values():
-            seq = eng.kv.seqs[p.seq_id]
             touched = np.asarray(p.freed_blocks + p.dst_blocks, np.int64)
-            assert not eng.kv.bm.shared_mask(seq, touched).any()
+            assert not eng.kv.bm.shared_mask(eng.kv.requests[p.seq_id], touched).any()
             assert not eng.kv.bm.cached_mask(np.asarray(p.dst_blocks, np.int64)).any()
             moved_from.extend(p.freed_blocks)
         return original()
@@ -153,7 +153,7 @@ def test_shared_prefix_blocks_are_never_relocated(tiny_llama):
     while eng.has_unfinished_requests():
         eng.step()
         if shared is None and eng.scheduler.running:
-            shared = set(eng.scheduler.running[0].shared_blocks)
+            shared = set(eng.kv.requests[eng.scheduler.running[0].seq_id].shared_blocks)
     assert shared and moved_from and not shared & set(moved_from)
     eng.check_invariants()
 
@@ -220,11 +220,11 @@ def test_cli_parses_eviction_flags():
 def test_c_decode_layer_and_torch_path_evict_alike(tiny_llama, long_prompts, policy):
     """The C decode layer (attention mass from C) and the torch path: same tokens, same evictions."""
     from vllm.kernels import ops
-    c_llm, c_out, c_seqs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
-                               kv_reclamation="vtoken", kv_frag_threshold=0.0)
+    c_llm, c_out, c_kvs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
+                              kv_reclamation="vtoken", kv_frag_threshold=0.0)
     assert (c_llm.llm_engine.model.layers[0].fused is not None) == ops.cpu_kernels_enabled()
     with ops.forced_backend("torch"):
-        _, t_out, t_seqs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
-                               kv_reclamation="vtoken", kv_frag_threshold=0.0)
+        _, t_out, t_kvs = run(tiny_llama, long_prompts, kv_eviction_policy=policy,
+                              kv_reclamation="vtoken", kv_frag_threshold=0.0)
     assert [o.outputs[0].token_ids for o in c_out] == [o.outputs[0].token_ids for o in t_out]
-    assert logs(c_seqs) == logs(t_seqs)
+    assert logs(c_kvs) == logs(t_kvs)

@@ -1,7 +1,10 @@
-"""A sequence: one sample of one request, the unit the scheduler and block manager see."""
+"""A sequence: one sample of one request, the unit the scheduler and block manager see.
+
+It holds request and sampling state only; its KV state (blocks, prefix hashes, eviction policy,
+per-request KV figures) is a RequestKV (vllm/core/request_kv.py) that the KVManager owns."""
 import enum
 import time
-from typing import Any, Collection, Dict, List, Optional, Set
+from typing import Any, Collection, Dict, List, Optional
 
 import torch
 
@@ -44,11 +47,6 @@ class Sequence:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_ids: List[int] = []
-        self.num_cached_blocks = 0              # leading blocks registered in the prefix cache
-        self.shared_blocks: Set[int] = set()    # blocks taken from prefix-cache hits
-        self.block_hashes: List[int] = []       # prefix hash of each full block of token_ids
-        self.clean_tokens: Optional[int] = None  # tokens computed before the first eviction
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
         self.output_text = ""
@@ -60,15 +58,8 @@ class Sequence:
         self.generator: Optional[torch.Generator] = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
-        self.kv_config = None                   # this request's KVEvictionConfig (None: engine's)
         self.grammar = None                     # structured outputs: a SequenceGrammar that
                                                 # follows the output tokens
-        self.policy = None                      # per-request eviction policy state
-        self.prefill_end = 0                    # tokens prefilled since the last admission
-        self.policy_ran = False                 # the policy has seen this admission's prompt
-        self.prefill_colsum = None              # prompt attention column sums, by logical id
-        self.eviction_log: Optional[List] = None  # evicted id arrays, in order (opt-in)
-        self.kv_stats: Dict[str, float] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -94,16 +85,8 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def reset_for_recompute(self) -> None:
-        """Preemption by recompute: drop all KV; prompt + generated tokens are prefilled again."""
+        """Preemption by recompute: prompt + generated tokens are prefilled again (the KV
+        manager resets the sequence's RequestKV: KVManager.preempt)."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_ids = []
-        self.num_cached_blocks = 0
-        self.shared_blocks = set()
-        self.clean_tokens = None
         self.num_preemptions += 1
-        self.policy = None                      # the re-prefill restarts the policy
-        self.prefill_colsum = None
-        self.kv_stats = {}                      # this admission's figures only
-        if self.eviction_log is not None:
-            self.eviction_log = []

@@ -6,15 +6,19 @@ table (`sync_new_tokens`), so the block manager never computes a slot itself. It
 of eviction: the KV manager (kv_manager.py) decides which blocks may be cached, filled or freed.
 
 Prefix-cache rule: block j of a sequence is registered under the hash of tokens [0, (j+1)*B)
-only if all of them were computed before the sequence's first eviction (`Sequence.clean_tokens`).
+only if all of them were computed before the sequence's first eviction (`RequestKV.clean_tokens`).
 Until that eviction no token is dead, so no block was freed, relocated or hole-filled: block j
 holds exactly tokens [j*B, (j+1)*B), whose K/V saw the full context.
+
+A sequence's KV state (block list, prefix hashes) is its RequestKV, passed in beside the
+Sequence where its tokens matter too.
 """
 from typing import List, Optional, Sequence as Seq
 
 import numpy as np
 
 from vllm.core.block_pool import BlockPool
+from vllm.core.request_kv import RequestKV
 from vllm.core.token_table import TokenTable
 from vllm.sequence import Sequence
 
@@ -44,8 +48,8 @@ class BlockManager:
         return self.pool.num_free
 
     # ---- prefix caching ---------------------------------------------------------------------
-    def _block_hashes(self, seq: Sequence, num_blocks: int) -> List[int]:
-        hashes = seq.block_hashes
+    def _block_hashes(self, seq: Sequence, req: RequestKV, num_blocks: int) -> List[int]:
+        hashes = req.block_hashes
         bs = self.block_size
         while len(hashes) < num_blocks:
             j = len(hashes)
@@ -53,7 +57,8 @@ class BlockManager:
             hashes.append(hash((prev, tuple(seq.token_ids[j * bs:(j + 1) * bs]))))
         return hashes[:num_blocks]
 
-    def computed_blocks(self, seq: Sequence, max_blocks: Optional[int] = None) -> List[int]:
+    def computed_blocks(self, seq: Sequence, req: RequestKV,
+                        max_blocks: Optional[int] = None) -> List[int]:
         """Leading prefix-cache hits for a waiting sequence (at most max_blocks); the last
         token is always computed."""
         if not self.enable_prefix_caching:
@@ -62,22 +67,22 @@ class BlockManager:
         if max_blocks is not None:
             limit = min(limit, max_blocks)
         hits = []
-        for h in self._block_hashes(seq, limit):
+        for h in self._block_hashes(seq, req, limit):
             block = self.pool.lookup(h)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sequence, req: RequestKV) -> None:
         if not self.enable_prefix_caching:
             return
-        clean = seq.num_computed_tokens if seq.clean_tokens is None else seq.clean_tokens
+        clean = seq.num_computed_tokens if req.clean_tokens is None else req.clean_tokens
         num_full = min(seq.num_computed_tokens, clean) // self.block_size
-        hashes = self._block_hashes(seq, num_full)
-        for j in range(seq.num_cached_blocks, num_full):
-            self.pool.cache(seq.block_ids[j], hashes[j])
-        seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
+        hashes = self._block_hashes(seq, req, num_full)
+        for j in range(req.num_cached_blocks, num_full):
+            self.pool.cache(req.block_ids[j], hashes[j])
+        req.num_cached_blocks = max(req.num_cached_blocks, num_full)
 
     # ---- waiting -> running -----------------------------------------------------------------
     def can_allocate(self, hits: List[int], num_new_tokens: int, extra: int = 0) -> bool:
@@ -89,19 +94,20 @@ class BlockManager:
         needed = cdiv(num_new_tokens, self.block_size) + extra
         return max(needed - (self.pool.num_free - self.pool.num_free_among(hits)), 0)
 
-    def allocate(self, seq: Sequence, hits: List[int], num_new_tokens: int) -> None:
-        assert not seq.block_ids, f"{seq.seq_id} already holds blocks"
+    def allocate(self, seq: Sequence, req: RequestKV, hits: List[int],
+                 num_new_tokens: int) -> None:
+        assert not req.block_ids, f"{seq.seq_id} already holds blocks"
         self.pool.touch(hits)
         self.cache_hit_blocks += len(hits)
         if self.enable_prefix_caching:
             self.cache_query_tokens += seq.num_tokens
             self.cache_hit_tokens += len(hits) * self.block_size
-        seq.block_ids = list(hits) + self.pool.allocate(cdiv(num_new_tokens, self.block_size))
+        req.block_ids = list(hits) + self.pool.allocate(cdiv(num_new_tokens, self.block_size))
         seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_cached_blocks = len(hits)
-        seq.shared_blocks = set(hits)
+        req.num_cached_blocks = len(hits)
+        req.shared_blocks = set(hits)
         self.token_table.add_request(seq.seq_id)
-        self.token_table.sync_new_tokens(seq.seq_id, seq.block_ids,
+        self.token_table.sync_new_tokens(seq.seq_id, req.block_ids,
                                          seq.num_computed_tokens + num_new_tokens)
         self._note_peak()
 
@@ -120,37 +126,37 @@ class BlockManager:
         return max(self.blocks_to_append(seq, num_new_tokens, num_holes) + extra -
                    self.pool.num_free, 0)
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int,
+    def append_slots(self, seq: Sequence, req: RequestKV, num_new_tokens: int,
                      holes: Optional[np.ndarray] = None) -> None:
         """New tokens go into `holes` (dead slots of the sequence's own blocks) first."""
         n_holes = 0 if holes is None else len(holes)
-        seq.block_ids += self.pool.allocate(self.blocks_to_append(seq, num_new_tokens, n_holes))
-        self.token_table.sync_new_tokens(seq.seq_id, seq.block_ids,
+        req.block_ids += self.pool.allocate(self.blocks_to_append(seq, num_new_tokens, n_holes))
+        self.token_table.sync_new_tokens(seq.seq_id, req.block_ids,
                                          seq.num_computed_tokens + num_new_tokens, holes)
         self._note_peak()
 
     # ---- release ----------------------------------------------------------------------------
-    def free(self, seq: Sequence) -> None:
+    def free(self, req: RequestKV) -> None:
         # Reverse order: a prefix's tail blocks leave the cache before its head blocks.
-        self.pool.release(list(reversed(seq.block_ids)))
-        seq.block_ids = []
-        self.token_table.free_request(seq.seq_id)
+        self.pool.release(list(reversed(req.block_ids)))
+        req.block_ids = []
+        self.token_table.free_request(req.seq_id)
 
-    def free_blocks(self, seq: Sequence, blocks: Seq[int]) -> None:
+    def free_blocks(self, req: RequestKV, blocks: Seq[int]) -> None:
         """Return some of a running sequence's blocks (fully dead, or emptied by relocation)."""
         gone = set(blocks)
         if not gone:
             return
-        seq.block_ids = [b for b in seq.block_ids if b not in gone]
-        self.token_table.forget_blocks(seq.seq_id, gone)
-        seq.shared_blocks -= gone
+        req.block_ids = [b for b in req.block_ids if b not in gone]
+        self.token_table.forget_blocks(req.seq_id, gone)
+        req.shared_blocks -= gone
         self.pool.release(list(blocks))
 
-    def shared_mask(self, seq: Sequence, blocks: np.ndarray) -> np.ndarray:
+    def shared_mask(self, req: RequestKV, blocks: np.ndarray) -> np.ndarray:
         """Blocks another sequence reads too (ref count > 1, or taken from a cache hit)."""
         mask = self.pool.ref_cnt[blocks] > 1
-        if seq.shared_blocks:
-            mask |= np.isin(blocks, np.fromiter(seq.shared_blocks, np.int64))
+        if req.shared_blocks:
+            mask |= np.isin(blocks, np.fromiter(req.shared_blocks, np.int64))
         return mask
 
     def cached_mask(self, blocks: np.ndarray) -> np.ndarray:
@@ -161,27 +167,28 @@ class BlockManager:
         self.peak_used = max(self.peak_used, self.pool.num_used)
 
     # ---- invariants -------------------------------------------------------------------------
-    def check_accounting(self, running: Seq[Sequence] = (), other_owned: int = 0) -> None:
-        """other_owned: pool blocks held outside the sequences' block lists (sliding windows)."""
+    def check_accounting(self, holding: Seq[RequestKV] = (), other_owned: int = 0) -> None:
+        """holding: every sequence's KV that holds blocks; other_owned: pool blocks held outside
+        their block lists (sliding windows)."""
         self.pool.check_accounting()
-        owned = sum(len(s.block_ids) for s in running) + other_owned
+        owned = sum(len(r.block_ids) for r in holding) + other_owned
         refs = int(self.pool.ref_cnt.sum())
         assert owned == refs, f"block accounting broken: sequences own {owned}, refs {refs}"
 
-    def check_prefix_cache(self, seq: Sequence) -> None:
+    def check_prefix_cache(self, req: RequestKV) -> None:
         """Every token a sequence keeps in a cached block is the one the cache entry names: the
         block's hash is that of the token's logical block, and the offset matches."""
         tt, bs = self.token_table, self.block_size
-        slots = tt.all_slots(seq.seq_id).astype(np.int64)
+        slots = tt.all_slots(req.seq_id).astype(np.int64)
         ids = np.flatnonzero(slots >= 0)
         slots = slots[ids]
         in_cache = self.pool.hashed[slots // bs]
         ids, slots = ids[in_cache], slots[in_cache]
-        hashes = seq.block_hashes
+        hashes = req.block_hashes
         for i, slot in zip(ids.tolist(), slots.tolist()):
             j = i // bs
             if slot % bs != i % bs or j >= len(hashes) or \
                     self.pool.block_hash[slot // bs] != hashes[j]:
                 raise AssertionError(
-                    f"request {seq.seq_id}: token {i} sits in cached block {slot // bs} at "
+                    f"request {req.seq_id}: token {i} sits in cached block {slot // bs} at "
                     f"offset {slot % bs}: the prefix-cache entry no longer matches its bytes")

@@ -2,8 +2,8 @@
 from typing import Callable, Dict, Iterable
 
 from vllm.core.block_manager import BlockManager
-from vllm.core.step_stats import StepStats
-from vllm.sequence import Sequence
+from vllm.core.request_kv import RequestKV
+from vllm.core.step_stats import SeqStepStats
 
 
 class KVMonitor:
@@ -16,31 +16,31 @@ class KVMonitor:
         self.util_sum = 0.0
         self.live_tokens = 0
 
-    def before_policies(self, stats: StepStats) -> None:
-        """Blocks each request held while its step ran (before this step's evictions)."""
-        for r in stats.rows:
-            seq, st = r.seq, r.seq.kv_stats
-            blocks = len(seq.block_ids)
-            st["peak_blocks"] = max(st.get("peak_blocks", 0), blocks)
-            st["block_tokens"] = st.get("block_tokens", 0) + blocks * r.num_new
-            st["computed_tokens"] = st.get("computed_tokens", 0) + r.num_new
-            if r.is_decode and seq.num_computed_tokens > seq.prefill_end:
-                st["decode_block_steps"] = st.get("decode_block_steps", 0) + blocks
-                st["decode_steps"] = st.get("decode_steps", 0) + 1
+    def before_policies(self, r: SeqStepStats, req: RequestKV) -> None:
+        """Blocks a request held while its step ran (before this step's evictions)."""
+        st = req.kv_stats
+        blocks = len(req.block_ids)
+        st["peak_blocks"] = max(st.get("peak_blocks", 0), blocks)
+        st["block_tokens"] = st.get("block_tokens", 0) + blocks * r.num_new
+        st["computed_tokens"] = st.get("computed_tokens", 0) + r.num_new
+        if r.is_decode and r.seq.num_computed_tokens > req.prefill_end:
+            st["decode_block_steps"] = st.get("decode_block_steps", 0) + blocks
+            st["decode_steps"] = st.get("decode_steps", 0) + 1
 
-    def after_step(self, seqs: Iterable[Sequence]) -> None:
+    def after_step(self, seq_ids: Iterable[str]) -> None:
+        """seq_ids: the sequences holding KV."""
         tt = self.bm.token_table
-        self.live_tokens = sum(tt.num_live(s.seq_id) for s in seqs)
+        self.live_tokens = sum(tt.num_live(s) for s in seq_ids)
         used = self.bm.pool.num_used - self.sliding_blocks()
         if used:
             self.steps += 1
             self.util_sum += self.live_tokens / (used * self.bm.block_size)
 
-    def on_finish(self, seq: Sequence) -> None:
+    def on_finish(self, req: RequestKV) -> None:
         """Final per-request figures, taken while the request still holds its KV."""
-        st = seq.kv_stats
-        st["blocks_at_finish"] = len(seq.block_ids)
-        st["live_tokens"] = self.bm.token_table.num_live(seq.seq_id)
+        st = req.kv_stats
+        st["blocks_at_finish"] = len(req.block_ids)
+        st["live_tokens"] = self.bm.token_table.num_live(req.seq_id)
         st.setdefault("peak_blocks", st["blocks_at_finish"])
         st.setdefault("evicted_tokens", 0)
         st.setdefault("relocated_tokens", 0)

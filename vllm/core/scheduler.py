@@ -135,7 +135,7 @@ class Scheduler:
         out.ended.append(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.kv.free(seq)
+        self.kv.preempt(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -129,9 +129,9 @@ class AsyncLLMEngine:
     def from_engine_args(cls, args, start_engine_loop: bool = True) -> "AsyncLLMEngine":
         """Builds the LLMEngine on the thread that will step it, which then waits for start()
         (or the first request, unless start_engine_loop is false).
-        Stepping an engine from a thread other than the one that loaded it ran the CPU decode
-        path ~25% slower (42 vs 31 tok/s at batch 1 on a 2-core AMD EPYC: OpenMP teams and
-        first-touched memory belong to the loading thread)."""
+        The engine is stepped on the thread that loaded it: OpenMP teams and first-touched
+        memory belong to the loading thread, and another thread's steps run the CPU decode
+        path slower."""
         built: concurrent.futures.Future = concurrent.futures.Future()
         parked = threading.Event()
         owner: List["AsyncLLMEngine"] = []

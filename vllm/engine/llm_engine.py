@@ -139,7 +139,7 @@ class LLMEngine:
             if self.kv.sliding else 0
         self._warn_if_pool_short(max(num_blocks - window_blocks, 0) * args.block_size)
         # upstream's flag: sleep() and wake_up() refuse without it
-        self.enable_sleep_mode = bool(getattr(args, "enable_sleep_mode", False))
+        self.enable_sleep_mode = args.enable_sleep_mode
         self.released: Set[str] = set()       # SLEEP_TAGS that sleep() released
 
     @classmethod
@@ -244,13 +244,13 @@ class LLMEngine:
                          self.eos_token_ids)
                 for i in range(params.n)]
         for seq, grammar in zip(seqs, grammars):
-            seq.kv_config = kv_config
             seq.grammar = grammar
             if seq.generator is not None and self.device.type != "cpu":
                 # seeded draws happen on the logits' device, from a generator there
                 seq.generator = torch.Generator(self.device).manual_seed(params.seed + seq.index)
         self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, stream)
         for seq in seqs:
+            self.kv.add_request(seq.seq_id, kv_config)   # its KV state, until it is dropped
             self.scheduler.add(seq)
 
     def _validate_allowed_tokens(self, params: SamplingParams) -> None:
@@ -293,6 +293,8 @@ class LLMEngine:
             state = self.requests.pop(rid, None)
             if state is not None:
                 self.scheduler.abort([s.seq_id for s in state.seqs])
+                for seq in state.seqs:
+                    self.kv.drop_request(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -453,6 +455,8 @@ class LLMEngine:
             outputs.append(self._make_output(state, finished))
             if finished:
                 del self.requests[rid]
+                for seq in state.seqs:     # its kv_stats are in the output now
+                    self.kv.drop_request(seq.seq_id)
         return outputs
 
     def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
@@ -476,7 +480,7 @@ class LLMEngine:
                    "num_preemptions": sum(s.num_preemptions for s in state.seqs)}
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              first.prompt_logprobs, completions, finished,
-                             dict(first.kv_stats), metrics)
+                             self.kv.request_stats(first.seq_id), metrics)
 
     # ---- KV statistics and invariants ----------------------------------------------------------
     def get_kv_stats(self) -> Dict[str, float]:
@@ -496,7 +500,7 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """I2, the prefix-cache rule and block accounting (I1 is checked per copy batch), and
         every rank's attention views equal the engine's."""
-        self.kv.check_invariants()
+        self.kv.check_invariants({s.seq_id for st in self.requests.values() for s in st.seqs})
         running = {s.seq_id for s in self.scheduler.running}
         assert running == set(self.kv.seqs), "running sequences and KV holders disagree"
         self.model_executor.check_invariants(self.input_builder.translation.snapshot())

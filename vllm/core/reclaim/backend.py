@@ -32,8 +32,8 @@ from vllm.config import KVEvictionConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.reclaim.eligibility import candidate_blocks, is_eligible
 from vllm.core.reclaim.planner import BlockSnapshot, RelocationPlan, plan
+from vllm.core.request_kv import RequestKV
 from vllm.core.token_table import block_positions
-from vllm.sequence import Sequence
 from vllm.worker.step_input import CopyBatch   # a plain value of the step protocol
 
 
@@ -68,12 +68,13 @@ class ReclamationBackend:
                    for p in plans.values())
 
     # ---- planning --------------------------------------------------------------------------------
-    def relieve(self, seqs: List[Sequence], shortfall: int) -> int:
+    def relieve(self, holding: List[RequestKV], shortfall: int) -> int:
+        """holding: the KV of every sequence that holds blocks (so for plan_step)."""
         t0 = time.perf_counter()
         coming = self.blocks_coming()
         if coming < shortfall:
-            plans = [p for p in (self._plan(s, frag_threshold=0.0) for s in seqs
-                                 if not self.has_plan(s.seq_id)) if p is not None]
+            plans = [p for p in (self._plan(r, frag_threshold=0.0) for r in holding
+                                 if not self.has_plan(r.seq_id)) if p is not None]
             plans.sort(key=lambda p: (-len(p.freed_blocks), len(p.token_ids)))
             for p in plans:
                 if coming >= shortfall:
@@ -84,30 +85,30 @@ class ReclamationBackend:
         self.planner_time += time.perf_counter() - t0
         return coming
 
-    def plan_step(self, seqs: List[Sequence]) -> None:
+    def plan_step(self, holding: List[RequestKV]) -> None:
         t0 = time.perf_counter()
-        for seq in seqs:
-            if seq.seq_id not in self.pending and seq.seq_id not in self.in_flight:
-                p = self._plan(seq)
+        for req in holding:
+            if req.seq_id not in self.pending and req.seq_id not in self.in_flight:
+                p = self._plan(req)
                 if p is not None:
-                    self.pending[seq.seq_id] = p
+                    self.pending[req.seq_id] = p
         self.planner_time += time.perf_counter() - t0
 
-    def _plan(self, seq: Sequence,
+    def _plan(self, req: RequestKV,
               frag_threshold: Optional[float] = None) -> Optional[RelocationPlan]:
         tt = self.bm.token_table
-        if tt.num_live(seq.seq_id) == tt.length(seq.seq_id):
+        if tt.num_live(req.seq_id) == tt.length(req.seq_id):
             return None                               # nothing evicted: nothing to repack
-        blocks = candidate_blocks(seq, self.bm, busy=set())
+        blocks = candidate_blocks(req, self.bm, busy=set())
         if len(blocks) < 2:
             return None
         bs = self.bm.block_size
-        ids, slots = tt.live_ids(seq.seq_id), tt.live_slots(seq.seq_id).astype(np.int64)
+        ids, slots = tt.live_ids(req.seq_id), tt.live_slots(req.seq_id).astype(np.int64)
         inside = block_positions(slots, blocks, bs) >= 0
         threshold = self.config.frag_threshold if frag_threshold is None else frag_threshold
-        if not is_eligible(seq, len(blocks), int(inside.sum()), bs, threshold):
+        if not is_eligible(len(blocks), int(inside.sum()), bs, threshold):
             return None
-        snap = BlockSnapshot(seq.seq_id, tt.version(seq.seq_id), blocks, ids[inside],
+        snap = BlockSnapshot(req.seq_id, tt.version(req.seq_id), blocks, ids[inside],
                              slots[inside], bs, receivable=~self.bm.cached_mask(blocks))
         return plan(snap)
 
@@ -128,27 +129,27 @@ class ReclamationBackend:
             self.pending = {}
         return batch if batch.batch_id is not None or batch.fence else None
 
-    def complete(self, batch_ids: Set[int], seqs: Dict[str, Sequence]) -> None:
+    def complete(self, batch_ids: Set[int], requests: Dict[str, RequestKV]) -> None:
         """Batches the worker reports done: repoint their tokens, free the emptied blocks."""
         t0 = time.perf_counter()
         tt = self.bm.token_table
         for seq_id in [s for s, b in self.batch_of.items() if b in batch_ids]:
-            p, seq = self.in_flight.pop(seq_id), seqs[seq_id]
+            p, req = self.in_flight.pop(seq_id), requests[seq_id]
             del self.batch_of[seq_id]
             assert (tt.all_slots(seq_id)[p.token_ids] == p.src_slots).all(), \
                 f"request {seq_id}: I4 violated, planned tokens moved by someone else"
             tt.apply_moves(seq_id, p.moves)
-            self.bm.free_blocks(seq, p.freed_blocks)
+            self.bm.free_blocks(req, p.freed_blocks)
             self.blocks_freed += len(p.freed_blocks)
-            seq.kv_stats["relocated_tokens"] = \
-                seq.kv_stats.get("relocated_tokens", 0) + len(p.token_ids)
+            req.kv_stats["relocated_tokens"] = \
+                req.kv_stats.get("relocated_tokens", 0) + len(p.token_ids)
         self.rewrite_time += time.perf_counter() - t0
 
-    def drop(self, seq: Sequence) -> None:
+    def drop(self, seq_id: str) -> None:
         """A request leaves (finish, abort, preemption): forget its plan; fence a sent batch."""
-        self.pending.pop(seq.seq_id, None)
-        if self.in_flight.pop(seq.seq_id, None) is not None:
-            self.fences.append(self.batch_of.pop(seq.seq_id))
+        self.pending.pop(seq_id, None)
+        if self.in_flight.pop(seq_id, None) is not None:
+            self.fences.append(self.batch_of.pop(seq_id))
 
     @staticmethod
     def idle_stats() -> Dict[str, float]:

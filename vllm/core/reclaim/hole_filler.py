@@ -11,8 +11,8 @@ from typing import Callable, Set
 import numpy as np
 
 from vllm.core.block_manager import BlockManager
+from vllm.core.request_kv import RequestKV
 from vllm.core.token_table import block_positions
-from vllm.sequence import Sequence
 
 
 class HoleFiller:
@@ -21,14 +21,14 @@ class HoleFiller:
         self.busy_blocks = busy_blocks
         self.slots_reused = 0
 
-    def holes(self, seq: Sequence, limit: int) -> np.ndarray:
+    def holes(self, req: RequestKV, limit: int) -> np.ndarray:
         """Up to `limit` reusable dead slots of the sequence, in block-list then offset order."""
-        dead = self.bm.token_table.dead_slots(seq.seq_id)
+        dead = self.bm.token_table.dead_slots(req.seq_id)
         if len(dead) == 0 or limit <= 0:
             return dead[:0]
-        blocks = np.asarray(seq.block_ids, np.int64)
-        usable = ~(self.bm.shared_mask(seq, blocks) | self.bm.cached_mask(blocks))
-        busy = self.busy_blocks(seq.seq_id)
+        blocks = np.asarray(req.block_ids, np.int64)
+        usable = ~(self.bm.shared_mask(req, blocks) | self.bm.cached_mask(blocks))
+        busy = self.busy_blocks(req.seq_id)
         if busy:
             usable &= ~np.isin(blocks, np.fromiter(busy, np.int64))
         rank = block_positions(dead, blocks, self.bm.block_size)
