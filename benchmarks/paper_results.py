@@ -90,7 +90,7 @@ def serving_runs(run_dir: str) -> Dict[tuple, List[Dict]]:
             scans = data.get("runs") or [data]
             out.setdefault((m.group(1), m.group(2)), []).extend(
                 {"sla_s": r.get("sla_s"), "summary": r.get("summary", []),
-                 "_png": path[:-5] + ".png"} for r in scans)
+                 "args": data.get("args", {}), "_png": path[:-5] + ".png"} for r in scans)
     return out
 
 
@@ -187,9 +187,11 @@ def serving_summary(run: Dict) -> Dict:
     ratio = vt["tok_s"] / nv["tok_s"] if vt.get("tok_s") is not None and nv.get("tok_s") \
         else None                        # vToken at 0 tok/s (its requests failed): -100%
     p95 = vt["p95_s"] / nv["p95_s"] if vt.get("p95_s") and nv.get("p95_s") else None
+    args = run.get("args") or {}
     return {"naive_sel": nv.get(key), "vtoken_sel": vt.get(key), "naive_tok_s": nv.get("tok_s"),
             "vtoken_tok_s": vt.get("tok_s"), "ratio": ratio, "p95_ratio": p95,
-            "sla_s": run.get("sla_s")}
+            "sla_s": run.get("sla_s"), "c_ref": args.get("c_ref"),
+            "levels": " ".join(map(str, args.get("levels") or [])) or None}
 
 
 def fig8_rows(runs: Dict[tuple, List[Dict]]) -> List[Dict]:
@@ -206,7 +208,8 @@ def fig8_rows(runs: Dict[tuple, List[Dict]]) -> List[Dict]:
                             "per_run": ", ".join(pct(x) for x in ratios)})
             if each:
                 s = each[0]
-                row.update({"C_sel": f"{fmt(s['naive_sel'])} / {fmt(s['vtoken_sel'])}",
+                row.update({"c_ref": s["c_ref"], "levels": s["levels"],
+                            "C_sel": f"{fmt(s['naive_sel'])} / {fmt(s['vtoken_sel'])}",
                             "tok_s": f"{fmt(s['naive_tok_s'], '.1f')} / "
                                      f"{fmt(s['vtoken_tok_s'], '.1f')}",
                             "p95": pct(s["p95_ratio"]), "sla": fmt(s["sla_s"], ".2f")})
@@ -228,11 +231,12 @@ def fig8(page: Page, runs: Dict[tuple, List[Dict]], status: Dict[str, str]) -> N
     if not runs:
         return page.missing("serving_*_run*.json", "serving", status)
     page.add(*md_table(fig8_rows(runs), ["workload", "policy", "runs", "gain", "spread",
-                                         "per_run", "C_sel", "tok_s", "p95", "sla", "paper"],
+                                         "per_run", "levels", "c_ref", "sla", "C_sel", "tok_s",
+                                         "p95", "paper"],
                        ["workload", "policy", "runs", "vToken vs Naive-Evict tok/s at C_sel",
-                        "spread (min .. max)", "each run", "C_sel (Naive / vToken)",
-                        "tok/s (Naive / vToken)", "vToken p95 vs Naive", "SLA (s)",
-                        "paper"]))
+                        "spread (min .. max)", "each run", "C scanned", "C_ref", "SLA (s)",
+                        "C_sel (Naive / vToken)", "tok/s (Naive / vToken)",
+                        "vToken p95 vs Naive", "paper"]))
     for wl in WORKLOADS:
         if not any(k[0] == wl for k in runs):
             page.add(f"{WORKLOAD_NAMES[wl]}: not measured (benchmark_serving.py run without "
@@ -491,6 +495,7 @@ def header(page: Page, args, step_rows: List[Dict], machine: str) -> None:
     page.add("# Results: the vToken paper's evaluation on this machine", "",
              "Written by `benchmarks/paper_results.py` from the run folder of "
              "`benchmarks/run_paper.sh`; rerun that command to reproduce this page.", "",
+             *([f"> **Note:** {args.note}", ""] if args.note else []),
              f"- Command: `{args.command}` ({args.mode} settings{MODES[args.mode]})",
              f"- Date: {date}",
              f"- CPU: {cpu['cpu']}, {cpu['cores']} cores; avx512f {cpu['avx512f']}, avx2 "
@@ -550,6 +555,8 @@ def parse(argv=None):
     p.add_argument("--command", default="bash benchmarks/run_paper.sh")
     p.add_argument("--threads", default=None)
     p.add_argument("--date", default=None, help="default: now (UTC)")
+    p.add_argument("--note", default=None, help="a line at the top of the page (the run's "
+                                                  "conditions, say)")
     return p.parse_args(argv)
 
 

@@ -29,7 +29,8 @@ def put(run, name, data, png=True):
 
 def serving(naive_tok_s, vtoken_tok_s, policy):
     """benchmark_serving.py's JSON, as it writes it (no workload name in it)."""
-    return {"args": {"policy": policy}, "sla_s": 2.0, "rows": [], "summary": [
+    return {"args": {"policy": policy, "c_ref": 4, "levels": [2, 4, 8]}, "sla_s": 2.0,
+            "rows": [], "summary": [
         {"variant": "Naive-Evict", "C_sel": 4, "tok_s": naive_tok_s, "p95_s": 1.9},
         {"variant": "vToken", "C_sel": 8, "tok_s": vtoken_tok_s, "p95_s": 1.5},
         {"variant": "Native", "C_sel": 2, "tok_s": 50.0, "p95_s": 1.0}]}
@@ -118,7 +119,8 @@ def test_every_section_with_its_table_and_plot(run_dir, tmp_path):
         assert (tmp_path / "docs" / link).exists()
     # the SLA rule and, per policy and workload, the mean gain with the run-to-run spread
     assert "SLA = 1.05 x Naive-Evict's p95" in page
-    assert page.count("| +20.0% | +10.0% .. +30.0% | +10.0%, +30.0% |") == 6
+    assert page.count("| +20.0% | +10.0% .. +30.0% | +10.0%, +30.0% | 2 4 8 | 4 | 2.00 | "
+                      "4 / 8 |") == 6
     assert "Target vToken >= 2x Native at the Qwen2.5-14B shape: 2.00x (met)" in page
     assert "| 408 | 3261 | 3 | 3 | 6 |" in page            # budget, paper's, the frontiers
     assert "| 678 | 5427 | 5 | 5 | 8 |" in page
