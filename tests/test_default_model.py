@@ -44,6 +44,28 @@ def test_default_engine_runs_the_blocks_where_they_are_faster():
     assert "Paris" in out.outputs[0].text
 
 
+def test_a_second_load_reads_the_timed_choices_from_the_plan_cache(monkeypatch, tmp_path):
+    """The load-time choices past the GEMM paths (fused decode layer, torch's 4-bit GEMM, the
+    weight twin's crossover) are cached with the CPU kernel plan: a second load of the model on
+    this host times nothing and makes the same choices."""
+    from vllm.kernels import cpu_kernel_plan as kp
+    from vllm.model_executor.cpu_decode import CpuDecodeModel
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(kp.OthersCpu, "cores", lambda self: 0.0)    # whatever else runs here
+    first = LLM(num_gpu_blocks_override=64).llm_engine.model_executor.driver_worker.model
+    assert first.plan.source == "timed" and first.plan.quant_below is not None
+    choice = (first.quant_below, first.quant_layers is None, first.plan.decode_layer,
+              first.plan.int4)
+    del first
+    for name in ("_time_gemm", "_time_attention", "_int4_wins"):
+        monkeypatch.setattr(kp, name, lambda *a, name=name: pytest.fail(f"{name} timed again"))
+    monkeypatch.setattr(CpuDecodeModel, "quant_crossover", lambda self: pytest.fail("timed"))
+    again = LLM(num_gpu_blocks_override=64).llm_engine.model_executor.driver_worker.model
+    assert again.plan.source == "cache"
+    assert (again.quant_below, again.quant_layers is None, again.plan.decode_layer,
+            again.plan.int4) == choice
+
+
 def test_quantized_default_model_answers_coherently(quant_llm):
     out = quant_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                          SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]

@@ -75,6 +75,27 @@ def test_choose_int4_runs_it_per_op_where_it_wins(monkeypatch, wins):
         assert torch.equal(lin(x4), lin.blocks_gemm(x4))           # band 1: the blocks
 
 
+def test_choose_int4_reads_a_cached_plan_and_keeps_a_busy_timing_out_of_it(monkeypatch):
+    """A plan from the cache holds the choice (nothing timed); a timing the host was too busy
+    for keeps the blocks for this load and leaves the plan without a choice (a later, quiet
+    load times it and caches it)."""
+    monkeypatch.setattr(cpu_kernel_plan, "STREAM_BYTES", 0)
+    cached = _plan()
+    cached.source, cached.int4 = "cache", {"128x64": [True] + [False] * 7}
+    lins = [QuantLinear([_weight(Q4_1, 64, 128, seed=i)]) for i in range(2)]
+    monkeypatch.setattr(cpu_kernel_plan, "_int4_wins", lambda layers: pytest.fail("timed"))
+    cpu_kernel_plan.choose_int4(cached, lins)
+    assert all(lin.int4 is not None and lin.int4_bands == (0,) for lin in lins)
+    assert cached.decode_layer[0] is False
+
+    def busy(layers):
+        raise cpu_kernel_plan.HostBusy()
+    monkeypatch.setattr(cpu_kernel_plan, "_int4_wins", busy)
+    plan, lins = _plan(), [QuantLinear([_weight(Q4_1, 64, 128, seed=3)])]
+    cpu_kernel_plan.choose_int4(plan, lins)
+    assert plan.int4 == {} and lins[0].int4 is None and plan.decode_layer[0] is True
+
+
 def test_choose_int4_times_nothing_for_small_models_or_without_a_plan(monkeypatch):
     lins = [QuantLinear([_weight(Q4_0, 64, 128, seed=0)])]
     monkeypatch.setattr(cpu_kernel_plan, "_int4_wins", lambda layers: pytest.fail("timed"))

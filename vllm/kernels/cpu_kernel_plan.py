@@ -24,13 +24,15 @@ scheduler tick) it gives up after a few seconds and runs the C path everywhere, 
 so a later, quiet load times again. A model whose weights fit in STREAM_BYTES (test models) is
 bound by per-op overhead, not by streaming weights: it runs the C path everywhere, untimed
 (source "small").
-GGUF Q4_0 / Q4_1 layers are timed against torch's own 4-bit GEMM (choose_int4) on every load:
-it runs the bands it wins by MARGIN, per op there.
+GGUF Q4_0 / Q4_1 layers are timed against torch's own 4-bit GEMM (choose_int4): it runs the bands
+it wins by MARGIN, per op there. A GGUF or bf16 model that keeps float32 layers beside its blocks
+times the crossover between the two (cpu_decode.CpuDecodeModel.quant_crossover): both choices
+are part of the plan and cached with it, unless timed beside other processes.
 VLLM_CPU_GEMM=c|mkl|torch forces that GEMM path in every band (mkl: up to 128 rows, torch above)
 and times nothing (tests): attention then runs in C, and the fused layer wherever the GEMM is c.
 The decision is cached in <cache root>/cpu_kernels/plan-<key>.json, the key naming the kernel
-build (source, variant, CPU), threads, torch version and the model's shapes: later loads read it
-and time nothing; `decisions()` returns the last one made as a dict.
+build (source, variant, CPU), threads, torch version, the model's shapes and its weight types:
+later loads read it and time nothing; `decisions()` returns the last one made as a dict.
 """
 import bisect
 import hashlib
@@ -100,6 +102,7 @@ class KernelPlan:
     cache_path: str = ""
     others_cores: Optional[float] = None  # other processes' mean CPU use while timing (OthersCpu)
     int4: Dict[str, List[bool]] = field(default_factory=dict)   # choose_int4, per band
+    quant_below: Optional[int] = None     # the weight twin's crossover rows (cpu_decode)
 
     def gemm_path(self, k: int, n: int, m: int) -> str:
         return self.gemm[shape_name(k, n)][band(m)]
@@ -344,19 +347,23 @@ TORCH_ISA_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CP
                  "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 
-def _cache_path(shapes: Dict[Tuple[int, int], int], attention: Tuple[int, ...]) -> "os.PathLike":
+def _cache_path(shapes: Dict[Tuple[int, int], int], attention: Tuple[int, ...],
+                weight_types: Tuple[str, ...] = ()) -> "os.PathLike":
     isa = cpu_kernels.active_isa()
     key = json.dumps([cpu_kernels.build_key(isa), isa, torch.get_num_threads(), torch.__version__,
                       sorted(shapes.items()), attention, BANDS, MARGIN, TIMING_VERSION,
-                      [os.environ.get(name) for name in TORCH_ISA_ENV]])
+                      [os.environ.get(name) for name in TORCH_ISA_ENV], list(weight_types)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return envs.VLLM_CACHE_ROOT / "cpu_kernels" / f"plan-{isa}-{digest}.json"
 
 
 def plan_model(shapes: Dict[Tuple[int, int], int], heads: int, kv_heads: int, head_dim: int,
-               layers: int) -> KernelPlan:
+               layers: int, weight_types: Tuple[str, ...] = ()) -> KernelPlan:
     """The GEMM and attention choices for a model whose weights have these shapes ((K, N) ->
-    how many); decode_layer is filled in later by choose_decode_layer (or read from the cache)."""
+    how many); decode_layer, int4 and quant_below are filled in later (choose_decode_layer,
+    choose_int4, the model's crossover) or read from the cache. weight_types: what the weights
+    are stored as beyond float32 (their GGUF types, and whether float32 layers are kept beside
+    them), part of the cache key since the later choices depend on it."""
     global _LAST_PLAN
     isa, forced = cpu_kernels.active_isa(), _forced()
     common = dict(isa=isa, cpu=cpu_kernels.cpu_name(), threads=torch.get_num_threads())
@@ -369,7 +376,7 @@ def plan_model(shapes: Dict[Tuple[int, int], int], heads: int, kv_heads: int, he
                           attention=["c"] * bands, source="forced" if forced else "small",
                           decode_layer=[path == "c"] * _LAST + [False])
     else:
-        cache = _cache_path(shapes, (heads, kv_heads, head_dim, layers))
+        cache = _cache_path(shapes, (heads, kv_heads, head_dim, layers), weight_types)
         plan = _read(cache) or _timed(common, shapes, (heads, kv_heads, head_dim))
         plan.cache_path = str(cache)
     plan.extra_weight_bytes = _extra_bytes(plan, shapes)
@@ -457,9 +464,10 @@ def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
     stream from memory), in CALLS rounds; torch's runs a band where it is MARGIN faster in the
     median round (paired), as a second weight layout must be, and such a band runs per op (the
     fused C decode layer multiplies the blocks). Layouts of shapes that win no band are dropped.
-    Timed on every load (cheap: a few ms a shape and band); a busy host, a forced plan, no plan,
-    or 4-bit weights under a quarter of STREAM_BYTES in all (test models: per-op overhead, not
-    the weight stream, would decide; the default model has 53 MB) keep the blocks."""
+    A cached plan's choice is reused; a choice timed on a busy host is used for this load only.
+    A busy host, a forced plan, no plan, or 4-bit weights under a quarter of STREAM_BYTES in all
+    (test models: per-op overhead, not the weight stream, would decide; the default model has
+    53 MB) keep the blocks."""
     from vllm.model_executor.quant_linear import int4_layout
     by_shape: Dict[str, List] = {}
     for lin in layers:
@@ -472,11 +480,12 @@ def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
     for name, lins in by_shape.items() if timed else ():
         for lin in lins:
             lin.int4 = int4_layout(lin.int4_source)
-        try:
-            wins = _int4_wins(lins)
-        except HostBusy:
-            wins = [False] * len(BANDS)
-        plan.int4[name] = wins
+        wins = plan.int4.get(name) if plan.source == "cache" else None
+        if wins is None:
+            try:
+                wins = plan.int4[name] = _int4_wins(lins)
+            except HostBusy:
+                wins = [False] * len(BANDS)             # this load only: not in the plan
         bands = tuple(b for b, win in enumerate(wins) if win)
         for lin in lins:
             lin.int4, lin.int4_bands = (lin.int4, bands) if bands else (None, ())
@@ -485,8 +494,8 @@ def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
     for lin in layers:
         lin.int4_source = None
     if by_shape and timed:
-        logger.info("CPU kernel plan: torch's 4-bit GEMM in bands %s", {
-            name: [b for b, win in enumerate(wins) if win] for name, wins in plan.int4.items()})
+        logger.info("CPU kernel plan: torch's 4-bit GEMM in bands %s",
+                    {name: list(lins[0].int4_bands) for name, lins in by_shape.items()})
 
 
 def _int4_wins(lins: List) -> List[bool]:
@@ -537,6 +546,20 @@ def _read(path) -> Optional[KernelPlan]:
     plan.cache_path = str(path)
     logger.info("CPU kernel plan (%s) from %s: %s", plan.isa, path, summary(plan.as_dict()))
     return plan
+
+
+def remember(plan: Optional[KernelPlan]) -> None:
+    """Cache the plan again with the choices made after its GEMMs were timed (int4, the weight
+    twin's crossover), where it came from the cache or was timed quietly."""
+    if plan is not None and plan.cache_path and plan.source in ("timed", "cache"):
+        _write(plan)
+
+
+def too_busy(others: "OthersCpu") -> bool:
+    """Other processes used more than OTHERS_MAX_CORES while `others` watched: a timing then
+    is used for this load only."""
+    cores = others.cores()
+    return cores is not None and cores > OTHERS_MAX_CORES
 
 
 def _write(plan: KernelPlan) -> None:

@@ -44,15 +44,19 @@ class CpuDecodeModel(nn.Module):
 
     # ---- load time ------------------------------------------------------------------------
     def finish_cpu_plan(self, blocks: Optional[dict], keep_float32: bool) -> None:
-        """After the layers are built: the decode-layer and int4 choices, then the twin."""
+        """After the layers are built: the decode-layer and int4 choices, then the twin; the
+        plan is cached again with them unless other processes ran while they were timed."""
         self._decode_scratch = torch.empty(0)          # _scratch(): grown, reused every step
         if self.plan is not None:
             step = self._timed_step if self.layers[0].fused is not None else None
             cpu_kernel_plan.choose_decode_layer(self.plan, step)
+        others = cpu_kernel_plan.OthersCpu()
         cpu_kernel_plan.choose_int4(self.plan, _quant_linears(self.layers, self.lm_head))
         self.quant_layers, self.quant_head, self.quant_below = None, None, 0
         if blocks and keep_float32:
             self._add_quant_twin(blocks)
+        if not cpu_kernel_plan.too_busy(others):
+            cpu_kernel_plan.remember(self.plan)
 
     def _add_quant_twin(self, blocks: dict) -> None:
         """Layers running the GGUF blocks (or bf16 weights) beside the float32 ones, and the row
@@ -65,7 +69,11 @@ class CpuDecodeModel(nn.Module):
         bf16 = all(w.qtype == quant_kernels.BF16 for w in blocks.values())
         kept = "bf16 weights" if bf16 else "GGUF blocks"
         start = time.perf_counter()
-        self.quant_below = self.quant_crossover()
+        cached = self.plan is not None and self.plan.source == "cache" and \
+            self.plan.quant_below is not None
+        self.quant_below = self.plan.quant_below if cached else self.quant_crossover()
+        if self.plan is not None:
+            self.plan.quant_below = self.quant_below
         choice = f"{kept} below {self.quant_below} rows, float32 from there"
         if self.quant_below == 0:                       # float32 wins every band
             self.quant_layers, self.quant_head = None, None
@@ -74,8 +82,8 @@ class CpuDecodeModel(nn.Module):
             self.layers, self.lm_head = self.quant_layers, self.quant_head
             self.quant_layers, self.quant_head, self.quant_below = None, None, 0
             choice = f"{kept} at every batch size"
-        logger.info("auto weight format: %s (timed in %.1f s)", choice,
-                    time.perf_counter() - start)
+        logger.info("auto weight format: %s (%s)", choice, "from the cached CPU kernel plan"
+                    if cached else f"timed in {time.perf_counter() - start:.1f} s")
 
     def quant_crossover(self, repeats: int = 5) -> int:
         """The smallest row count of CROSSOVER_ROWS from which a decode step (all layers, the

@@ -239,9 +239,11 @@ class LlamaForCausalLM(CpuDecodeModel):
             "GGUF block and bf16 weights run on the CPU in float32 at tensor parallel size 1"
         blocks, quant = quant, (None if quant_keep_float32 else quant)   # quant: self.layers'
         shapes = self._gemm_shapes(w, head, cfg.num_hidden_layers, quant)
+        weight_types = tuple(sorted({b.type_name for b in (blocks or {}).values()})) + \
+            (("float32 kept",) if blocks and quant_keep_float32 else ())
         self.plan = cpu_kernel_plan.plan_model(
-            shapes, self.num_heads, self.num_kv_heads, cfg.head_dim,
-            cfg.num_hidden_layers) if on_cpu and ops.cpu_kernels_enabled() else None
+            shapes, self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.num_hidden_layers,
+            weight_types) if on_cpu and ops.cpu_kernels_enabled() else None
         arena = WeightArena(sum(count * Linear.arena_floats(shape, self.plan)
                                 for shape, count in shapes.items())) if on_cpu else None
         self._weights = w
