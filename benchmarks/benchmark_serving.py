@@ -296,21 +296,42 @@ def select(scans, key, ref):
     return sla, rows, summary
 
 
+VARIANTS = ("Naive-Evict", "vToken", "Native")
+
+
 def variant_scans(args, model, work, points, blocks, max_seqs):
+    """-> one {variant: rows} per --repeats. Every variant's server is started once and they run
+    side by side, each idle while another is scanned; each first serves a warm-up round (as
+    many requests at once as the scan's largest C, discarded), then each repeat scans every
+    variant in turn, the order rotated from one repeat to the next, so a drift of the host moves
+    all alike. Prefix caching is off (the default): a repeat finds nothing of the last one's."""
     base = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max_seqs)]
     if model:
         base = ["--model", model] + base
     evict = ["--kv-eviction-policy", args.policy, "--kv-eviction-ratio", str(args.ratio),
              "--kv-min-tokens", "0"]
-    variants = {"Naive-Evict": evict + ["--kv-reclamation", "none"],
-                "vToken": evict + ["--kv-reclamation", "vtoken"],
-                "Native": ["--kv-eviction-policy", "none"]}
-    scans = {}
-    for name, flags in variants.items():
-        print(f"  {name}: starting server", flush=True)
-        with Server(base + flags, args.threads) as srv:
-            scans[name] = scan(srv.url, srv.model, work, points, args, print)
-    return scans
+    flags = {"Naive-Evict": evict + ["--kv-reclamation", "none"],
+             "vToken": evict + ["--kv-reclamation", "vtoken"],
+             "Native": ["--kv-eviction-policy", "none"]}
+    names = [name for name in VARIANTS if name in args.variants]
+    runs = []
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name in names:
+            print(f"  {name}: starting server", flush=True)
+            servers[name] = stack.enter_context(Server(base + flags[name], args.threads))
+        warm = max(point.get("C", 4) for point in points)   # every batch size the scan reaches
+        for name in names:
+            srv = servers[name]
+            run_point(srv.url, srv.model, work, warm, concurrency=warm, seed=args.seed)
+        for k in range(args.repeats):
+            scans = {}
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                print(f"  {name}: scan {k + 1} of {args.repeats}", flush=True)
+                srv = servers[name]
+                scans[name] = scan(srv.url, srv.model, work, points, args, print)
+            runs.append({name: scans[name] for name in names})
+    return runs
 
 
 def report(args, runs, key, ref, blocks, label, plen, olen):
@@ -362,10 +383,13 @@ def parser():
     p.add_argument("--dataset-name", default="longbench", choices=["longbench", "sharegpt"],
                    help="the scan's workload: LongBench-style long prompts or ShareGPT chats")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run every variant's scan this many times; vs_naive is the median, "
-                        "with its spread")
+                   help="scan every variant this many times (its server started once, the "
+                        "variants taking turns); vs_naive is the median, with its spread")
     p.add_argument("--out", default=None,
                    help="result name (default benchmark_serving[_rate])")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                   help="the servers scanned (the SLA rule needs Naive-Evict; Native shows the "
+                        "frontier without eviction)")
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--blocks", type=int, default=None, help="KV block budget of every variant")
     p.add_argument("--levels", type=int, nargs="+", default=None)
@@ -410,6 +434,8 @@ def main():
         key, points, ref = "C", [{"C": c} for c in levels], c_ref
     if ref not in [point[key] for point in points]:
         p.error(f"the SLA's reference {key}={ref} is not one of the scan's points")
+    if not args.url and "Naive-Evict" not in args.variants:
+        p.error("--variants: the SLA is Naive-Evict's p95, so Naive-Evict is always scanned")
     plen, olen = (192, 64) if args.quick else (384, 128)
     work = common.workload(args.dataset_name, 16, tok, plen, olen, args, fixed_output=True)
     if args.url:
@@ -423,8 +449,7 @@ def main():
     longest = math.ceil(max(len(prompt) + olen for prompt, _ in work) / 16)
     # Native fits ~5/8 of C_ref mean requests, and the longest request fits alone
     blocks = args.blocks or max(full * c_ref * 5 // 8, longest + 1)
-    runs = [variant_scans(args, model, work, points, blocks, max(levels))
-            for _ in range(args.repeats)]
+    runs = variant_scans(args, model, work, points, blocks, max(levels))
     report(args, runs, key, ref, blocks, label, plen, olen)
 
 

@@ -13,13 +13,13 @@
 #   bash benchmarks/run_paper.sh --quick --only capacity overhead   # some steps; the page is
 #                                                    # rewritten from every result in the run
 # Options: --runs N (serving scans per policy and workload, for the run-to-run spread: 2, --full
-# 3), --threads N (torch threads of every step; default all cores), --no-timeout (no step is
-# stopped past its budget: a busy host).
+# 3; each variant's server is started once and scanned N times), --threads N (torch threads of
+# every step; default all cores), --no-timeout (no step is stopped past its budget: a busy host).
 #
 # Each step prints its wall time against its budget (--quick: the estimate on a quiet 2-core
 # host; a step past twice its budget is stopped and marked timeout, the others go on). Results:
 # the scripts write benchmarks/results/<name>.json and .png as always; each step then copies its
-# own into benchmarks/results/paper/ (the serving scans as serving_<workload>_<policy>_run<k>),
+# own into benchmarks/results/paper/ (the serving scans as serving_<workload>_<policy>_run1),
 # with steps.tsv (status, seconds and the host's load average as it started, per step), and
 # benchmarks/paper_results.py turns that folder into the page.
 set -uo pipefail
@@ -52,15 +52,18 @@ SERVING_POLICIES="random h2o scissorhands"
 case $MODE in
   quick)
     RECLAMATION="--quick --policies h2o scissorhands random --num-prompts 4"
-    SERVING="--quick --levels 2 4 --c-ref 4 --per-client 1"
+    # the SLA rule's two variants (Native is in --full's scans), two requests a client a point
+    SERVING="--quick --levels 2 4 --c-ref 4 --per-client 2 --variants Naive-Evict vToken"
     CAP_LLAMA="--simulate --quick $CAP_VARIANTS"
     CAP_QWEN="--simulate --shape qwen2.5-14b --quick $CAP_VARIANTS"
-    OVERHEAD="--quick --concurrency 16 48 --repeats 1"
+    # every variant but the Native control (its noise floor is in --full's)
+    OVERHEAD="--quick --concurrency 16 48 --repeats 1 --variants indirection naive vtoken force-sync"
     SENSITIVITY="--quick --concurrency 4"
     PREFIX="--quick"
     QUALITY="--quick --policies h2o scissorhands random --num-prompts 6"
-    B_RECL=150 B_SERVING=55 B_LLAMA=150 B_QWEN=90 B_OVERHEAD=180 B_SENS=180 B_PREFIX=120
-    B_QUALITY=100 ;;
+    # as measured on a quiet 2-core AMD EPYC (AVX2): 1,718 s in all
+    B_RECL=150 B_SERVING=100 B_LLAMA=120 B_QWEN=30 B_OVERHEAD=370 B_SENS=200 B_PREFIX=190
+    B_QUALITY=90 ;;
   full)
     RECLAMATION="" SERVING="" CAP_LLAMA="--simulate" CAP_QWEN="--simulate --shape qwen2.5-14b"
     OVERHEAD="--concurrency 16 48" SENSITIVITY="" PREFIX="" QUALITY=""
@@ -159,18 +162,17 @@ if wanted serving; then
   fi
   for ds in $DATASETS; do
     for policy in $SERVING_POLICIES; do
-      for k in $(seq 1 "$RUNS"); do
-        run_step serving "Fig. 8 SLA frontier ($ds, $policy)" $B_SERVING "" \
-          $PY benchmarks/benchmark_serving.py --policy $policy \
-          ${DS_FLAG:+--dataset-name $ds} $SERVING $T
-        [ -n "$DRY" ] && continue
-        # its newest JSON and PNG, renamed by workload, policy and run (the format is its own)
-        f=$(ls -t $RESULTS/*serving*.json 2>/dev/null | grep -v llamacpp | head -1)
-        if [ -n "$f" ] && [ "$f" -nt "$RUN/.marker" ]; then
-          cp "$f" "$RUN/serving_${ds}_${policy}_run$k.json"
-          [ -f "${f%.json}.png" ] && cp "${f%.json}.png" "$RUN/serving_${ds}_${policy}_run$k.png"
-        fi
-      done
+      # --repeats: every variant's server started once, the scans repeated in turns
+      run_step serving "Fig. 8 SLA frontier ($ds, $policy)" $B_SERVING "" \
+        $PY benchmarks/benchmark_serving.py --policy $policy \
+        ${DS_FLAG:+--dataset-name $ds} --repeats "$RUNS" $SERVING $T
+      [ -n "$DRY" ] && continue
+      # its newest JSON and PNG, renamed by workload and policy (the format is its own)
+      f=$(ls -t $RESULTS/*serving*.json 2>/dev/null | grep -v llamacpp | head -1)
+      if [ -n "$f" ] && [ "$f" -nt "$RUN/.marker" ]; then
+        cp "$f" "$RUN/serving_${ds}_${policy}_run1.json"
+        [ -f "${f%.json}.png" ] && cp "${f%.json}.png" "$RUN/serving_${ds}_${policy}_run1.png"
+      fi
     done
   done
 fi

@@ -296,3 +296,45 @@ def test_benchmark_serving_scans_through_bench_serve(server):
     sla, _, summary = bench.select(scans, "C", 2)
     assert sla == pytest.approx(2.1)
     assert [(s["C_sel"], s["vs_naive"]) for s in summary] == [(2, 1.0), (2, 2.0)]
+
+
+def test_benchmark_serving_starts_each_server_once_and_rotates_the_scans(monkeypatch):
+    """--repeats N: every variant's server starts once and serves one warm-up round, then the
+    N scans take turns in a rotated order (each variant first once in three); the servers
+    stop after the last scan; --variants picks the servers."""
+    bench = _benchmark_serving()
+    events, names = [], {}
+
+    class FakeServer:
+        def __init__(self, flags, threads):
+            kind = flags[flags.index("--kv-reclamation") + 1] if "--kv-reclamation" in flags \
+                else "native"
+            self.name = {"none": "Naive-Evict", "vtoken": "vToken", "native": "Native"}[kind]
+            self.url, self.model = f"http://{self.name}", "m"
+            names[self.url] = self.name
+
+        def __enter__(self):
+            events.append(("start", self.name))
+            return self
+
+        def __exit__(self, *exc):
+            events.append(("stop", self.name))
+
+    monkeypatch.setattr(bench, "Server", FakeServer)
+    monkeypatch.setattr(bench, "run_point", lambda url, model, work, n, concurrency=None,
+                        **kw: events.append(("warm", names[url], n, concurrency)))
+    monkeypatch.setattr(bench, "scan", lambda url, *a: events.append(("scan", names[url]))
+                        or [{"C": 1}])
+    args = type("Args", (), {"policy": "h2o", "ratio": 0.5, "threads": 1, "repeats": 3,
+                             "seed": 0, "variants": list(bench.VARIANTS)})
+    runs = bench.variant_scans(args, None, [], [{"C": 2}, {"C": 4}], 22, 4)
+    n, v, native = "Naive-Evict", "vToken", "Native"
+    assert events[:3] == [("start", n), ("start", v), ("start", native)]
+    assert events[3:6] == [("warm", x, 4, 4) for x in (n, v, native)]
+    assert [e[1] for e in events[6:15]] == [n, v, native, v, native, n, native, n, v]
+    assert sorted(events[15:]) == sorted(("stop", x) for x in (n, v, native))
+    assert len(runs) == 3 and all(list(r) == [n, v, native] for r in runs)
+    args.variants, args.repeats, events[:] = [v, n], 1, []
+    runs = bench.variant_scans(args, None, [], [{"C": 2}], 22, 2)
+    assert [e for e in events if e[0] == "start"] == [("start", n), ("start", v)]
+    assert list(runs[0]) == [n, v]
