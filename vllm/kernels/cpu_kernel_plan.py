@@ -457,7 +457,7 @@ def choose_decode_layer(plan: KernelPlan, step: Optional[Callable[[int, bool, bo
                 plan.seconds, summary(plan.as_dict()))
 
 
-def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
+def choose_int4(plan: Optional[KernelPlan], layers: List) -> bool:
     """torch's own 4-bit GEMM as an alternative to the GGUF blocks: for each shape of the
     QuantLinears whose weights map onto it (Q4_0 / Q4_1, quant_linear.int4_layout), time both at
     each band up to 128 rows, the model's layers of that shape in turn (so that the weights
@@ -467,7 +467,7 @@ def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
     A cached plan's choice is reused; a choice timed on a busy host is used for this load only.
     A busy host, a forced plan, no plan, or 4-bit weights under a quarter of STREAM_BYTES in all
     (test models: per-op overhead, not the weight stream, would decide; the default model has
-    53 MB) keep the blocks."""
+    53 MB) keep the blocks. -> whether a choice was timed into the plan (not read from it)."""
     from vllm.model_executor.quant_linear import int4_layout
     by_shape: Dict[str, List] = {}
     for lin in layers:
@@ -477,6 +477,7 @@ def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
                  for lin in lins)
     timed = plan is not None and plan.source not in ("forced", "busy") and \
         nbytes >= STREAM_BYTES // 4
+    added = False
     for name, lins in by_shape.items() if timed else ():
         for lin in lins:
             lin.int4 = int4_layout(lin.int4_source)
@@ -484,6 +485,7 @@ def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
         if wins is None:
             try:
                 wins = plan.int4[name] = _int4_wins(lins)
+                added = True
             except HostBusy:
                 wins = [False] * len(BANDS)             # this load only: not in the plan
         bands = tuple(b for b, win in enumerate(wins) if win)
@@ -496,6 +498,7 @@ def choose_int4(plan: Optional[KernelPlan], layers: List) -> None:
     if by_shape and timed:
         logger.info("CPU kernel plan: torch's 4-bit GEMM in bands %s",
                     {name: list(lins[0].int4_bands) for name, lins in by_shape.items()})
+    return added
 
 
 def _int4_wins(lins: List) -> List[bool]:

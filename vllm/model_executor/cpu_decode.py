@@ -44,28 +44,30 @@ class CpuDecodeModel(nn.Module):
 
     # ---- load time ------------------------------------------------------------------------
     def finish_cpu_plan(self, blocks: Optional[dict], keep_float32: bool) -> None:
-        """After the layers are built: the decode-layer and int4 choices, then the twin; the
-        plan is cached again with them unless other processes ran while they were timed."""
+        """After the layers are built: the decode-layer and int4 choices, then the twin; a
+        choice timed here (not read from the cached plan) is cached with the plan, unless other
+        processes ran while it was timed."""
         self._decode_scratch = torch.empty(0)          # _scratch(): grown, reused every step
         if self.plan is not None:
             step = self._timed_step if self.layers[0].fused is not None else None
             cpu_kernel_plan.choose_decode_layer(self.plan, step)
         others = cpu_kernel_plan.OthersCpu()
-        cpu_kernel_plan.choose_int4(self.plan, _quant_linears(self.layers, self.lm_head))
+        timed = cpu_kernel_plan.choose_int4(self.plan, _quant_linears(self.layers, self.lm_head))
         self.quant_layers, self.quant_head, self.quant_below = None, None, 0
         if blocks and keep_float32:
-            self._add_quant_twin(blocks)
-        if not cpu_kernel_plan.too_busy(others):
+            timed |= self._add_quant_twin(blocks)
+        if timed and not cpu_kernel_plan.too_busy(others):
             cpu_kernel_plan.remember(self.plan)
 
-    def _add_quant_twin(self, blocks: dict) -> None:
+    def _add_quant_twin(self, blocks: dict) -> bool:
         """Layers running the GGUF blocks (or bf16 weights) beside the float32 ones, and the row
         count below which they are used (quant_crossover); a side that wins no timed band is
-        dropped."""
+        dropped. -> whether a choice was timed (not read from the cached plan)."""
         self.quant_layers = self.build_layers(blocks, self.layers)
         head_q = group(blocks, ["lm_head.weight"])
         self.quant_head = block_linear(head_q, plan=self.plan) if head_q else self.lm_head
-        cpu_kernel_plan.choose_int4(self.plan, _quant_linears(self.quant_layers, self.quant_head))
+        timed = cpu_kernel_plan.choose_int4(self.plan,
+                                            _quant_linears(self.quant_layers, self.quant_head))
         bf16 = all(w.qtype == quant_kernels.BF16 for w in blocks.values())
         kept = "bf16 weights" if bf16 else "GGUF blocks"
         start = time.perf_counter()
@@ -84,6 +86,7 @@ class CpuDecodeModel(nn.Module):
             choice = f"{kept} at every batch size"
         logger.info("auto weight format: %s (%s)", choice, "from the cached CPU kernel plan"
                     if cached else f"timed in {time.perf_counter() - start:.1f} s")
+        return timed or not cached
 
     def quant_crossover(self, repeats: int = 5) -> int:
         """The smallest row count of CROSSOVER_ROWS from which a decode step (all layers, the
