@@ -312,6 +312,7 @@ def requantized(qtype_name: str) -> str:
     import numpy as np
 
     from vllm import envs
+    from vllm.model_executor.gguf_file import GGUFFile
     from vllm.model_executor.gguf_loader import find_default_model_gguf
     src = find_default_model_gguf()
     dst = envs.VLLM_CACHE_ROOT / "gguf" / f"SmolLM2-135M-Instruct.{qtype_name}.requantized.gguf"
@@ -319,15 +320,12 @@ def requantized(qtype_name: str) -> str:
         return str(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    reader = gguf.GGUFReader(src)
+    reader = GGUFFile(src)
     tmp = dst.with_suffix(f".{os.getpid()}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), arch=str(reader.fields["general.architecture"].contents()))
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    writer = gguf.GGUFWriter(str(tmp), arch=reader.get("general.architecture"))
+    for key in reader.keys():
+        if key != "general.architecture":
+            writer.add_key_value(key, reader.get(key), *reader.value_type(key))
     for t in reader.tensors:
         if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:      # the layers' GEMM weights
             w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from vllm.model_executor import gguf_loader
+from vllm.model_executor.gguf_file import GGUFFile
 from vllm.model_executor.gguf_loader import convert_gguf, find_gemma3_gguf
 
 pytest.importorskip("gguf")
@@ -176,15 +177,8 @@ def test_family_config_reads_what_llama_cpp_reads():
     qwen3's YaRN; a missing key_length is n_embd / n_head."""
     from types import SimpleNamespace
 
-    class Field:
-        def __init__(self, value):
-            self.value = value
-
-        def contents(self):
-            return self.value
-
     def run(arch, fields, **attrs):
-        reader = SimpleNamespace(fields={k: Field(v) for k, v in fields.items()})
+        reader = SimpleNamespace(get=fields.get)        # a GGUFFile's get(key, default)
         config = SimpleNamespace(**{"hidden_size": 5376, "num_attention_heads": 32,
                                     "num_hidden_layers": 4,
                                     "rope_parameters": {"rope_type": "default", "rope_theta": 1.0},
@@ -419,7 +413,7 @@ def test_gemma3_real_weights_equal_transformers_gguf_load(gemma3_dir):
     """A few tensors (every kind of norm, a Q5_0 / Q8_0 / Q4_K / Q6_K GEMM, the Q8_0 embedding)
     equal what transformers' GGUF loader makes of them: its dequantization, its Gemma tensor
     processor (norms - 1) and its name map, run on a meta-device model (not the 1 GB model)."""
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS,
@@ -436,7 +430,7 @@ def test_gemma3_real_weights_equal_transformers_gguf_load(gemma3_dir):
         f"blk.{i}.{t}.weight" for i in (0, 5) for t in (
             "attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "attn_q_norm",
             "attn_k_norm", "attn_q", "attn_v", "attn_output", "ffn_down")}
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)       # tested equal to gguf-py's GGUFReader (test_gguf_file.py)
     seen = set()
     with safe_open(str(gemma3_dir / "model.safetensors"), "pt") as f:
         for tensor in reader.tensors:

@@ -111,19 +111,12 @@ def test_rope_theta_restored_from_gguf_metadata(monkeypatch):
     import transformers
     from transformers import LlamaConfig
 
-    class Field:
-        def __init__(self, value):
-            self.value = value
-
-        def contents(self):
-            return self.value
-
     class Tensor:
         def __init__(self, name):
             self.name = name
 
-    class Reader:
-        fields = {"llama.rope.freq_base": Field(100000.0)}
+    class Reader:                   # a GGUFFile's get(key, default) and tensors
+        get = {"llama.rope.freq_base": 100000.0}.get
         tensors = [Tensor("token_embd.weight"), Tensor("output_norm.weight")]
 
     monkeypatch.setattr(

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from vllm.model_executor import gguf_loader
+from vllm.model_executor.gguf_file import GGUFFile
 from vllm.model_executor.gguf_loader import convert_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -132,14 +133,11 @@ def _quant_type(name: str):
 
 def _requantize(src: str, dst: str) -> str:
     """src (all float32) rewritten by gguf-py with _quant_type's types, its metadata copied."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub)
+    reader = GGUFFile(src)
+    writer = gguf.GGUFWriter(dst, reader.get("general.architecture"))
+    for key in reader.keys():
+        if key != "general.architecture":
+            writer.add_key_value(key, reader.get(key), *reader.value_type(key))
     for t in reader.tensors:
         assert t.tensor_type == T.F32, t.name
         data = np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
@@ -229,7 +227,7 @@ def _canonical(saved, arch):
 def _expert_slices(path):
     """(HF name of expert e's weight, gguf-py's dequantization of slice e of the 3-D tensor,
     GGML type) for every expert tensor of the GGUF at path."""
-    for t in gguf.GGUFReader(path).tensors:
+    for t in GGUFFile(path).tensors:
         layer, base, kind = t.name.split(".")[1:] if t.name.startswith("blk.") else (0, "", "")
         if base not in EXPERT_TENSORS or kind != "weight":
             continue
@@ -279,21 +277,15 @@ def test_moe_config_reads_what_llama_cpp_reads():
     sizes, qwen3moe YaRN; llama without experts is no MoE."""
     from types import SimpleNamespace
 
-    class Field:
-        def __init__(self, value):
-            self.value = value
-
-        def contents(self):
-            return self.value
-
     def reader(arch, **keys):
-        fields = {f"{arch}.{k.replace('__', '.')}": Field(v) for k, v in {
+        """A GGUFFile's surface: get(key, default) and tensors"""
+        fields = {f"{arch}.{k.replace('__', '.')}": v for k, v in {
             "block_count": 3, "embedding_length": 64, "attention__head_count": 4,
             "attention__layer_norm_rms_epsilon": 1e-5, "context_length": 256,
             "expert_count": 4, "expert_used_count": 2, "feed_forward_length": 96,
             **keys}.items()}
-        embd = SimpleNamespace(name="token_embd.weight", shape=np.array([64, 300]))
-        return SimpleNamespace(fields=fields, tensors=[embd])
+        embd = SimpleNamespace(name="token_embd.weight", shape=(64, 300))
+        return SimpleNamespace(get=fields.get, tensors=[embd])
 
     r = reader("gpt-oss", attention__sliding_window=16, expert_feed_forward_length=[32, 32, 32],
                attention__sliding_window_pattern=[False, True, True])
@@ -431,7 +423,7 @@ def test_gpt_oss_mxfp4_experts_dequantized(moe, tmp_path, caplog):
     assert got.keys() == want.keys()
     for name, w in want.items():
         assert torch.equal(got[name], w), name
-    assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors
+    assert {t.tensor_type.name for t in GGUFFile(path).tensors
             if t.name.endswith("_exps.weight")} == {"MXFP4"}
     quant = load_gguf_linears(path, AutoConfig.from_pretrained(str(out)))
     assert not any(".mlp.experts." in name for name in quant)

@@ -168,17 +168,10 @@ def test_min_tokens_masks_generation_config_eos(eos_case):
 
 
 # ---- GGUF converter: EOS, EOT and EOM in generation_config.json ----------------------------------
-class _Field:
-    def __init__(self, value):
-        self.value = value
-
-    def contents(self):
-        return self.value
-
-
 class _Reader:
+    """A GGUFFile's get(key, default) over the given token ids"""
     def __init__(self, **ids):
-        self.fields = {f"tokenizer.ggml.{k}_token_id": _Field(v) for k, v in ids.items()}
+        self.get = {f"tokenizer.ggml.{k}_token_id": v for k, v in ids.items()}.get
 
 
 @pytest.mark.parametrize("ids,want", [

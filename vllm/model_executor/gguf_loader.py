@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from vllm import envs
+from vllm.model_executor.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -384,18 +385,9 @@ def _apply_umask_permissions(directory: Path) -> None:
             os.chmod(child, 0o666 & ~umask)
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
 def _write_hf_directory(gguf_path: Path, out: Path) -> None:
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
+    reader = GGUFFile(str(gguf_path))
+    arch = reader.get("general.architecture")
 
     config = _build_config(gguf_path, reader, arch)
     eos_ids = _generation_eos_ids(reader, config)
@@ -440,7 +432,7 @@ def _build_config(gguf_path: Path, reader, arch: str):
         del config.quantization_config
     config.dtype = "float32"
 
-    freq_base = _field(reader, f"{arch}.rope.freq_base")
+    freq_base = reader.get(f"{arch}.rope.freq_base")
     if freq_base is not None:
         freq_base = float(freq_base)
         rope = getattr(config, "rope_parameters", None)
@@ -481,7 +473,7 @@ def _special_ids(reader) -> Dict[str, Optional[int]]:
     ids = {}
     for attr, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
-        value = _field(reader, f"tokenizer.ggml.{key}")
+        value = reader.get(f"tokenizer.ggml.{key}")
         ids[attr] = None if value is None else int(value)
     return ids
 
@@ -493,7 +485,7 @@ def _family_config(config, reader, arch: str, tensor_names) -> None:
         return
     # head_dim: attention.key_length, else n_embd / n_head as in llama.cpp (transformers' qwen3
     # reader drops the key and keeps Qwen3Config's 128)
-    key_length = _field(reader, f"{arch}.attention.key_length")
+    key_length = reader.get(f"{arch}.attention.key_length")
     config.head_dim = (int(key_length) if key_length is not None
                        else config.hidden_size // config.num_attention_heads)
     if any(f"blk.0.attn_{p}.bias" in tensor_names for p in "qkv"):
@@ -511,14 +503,14 @@ def _family_config(config, reader, arch: str, tensor_names) -> None:
     # 1/sqrt(n_embd / n_head) for the 27B (62 layers)
     n_layers = config.num_hidden_layers
     config.layer_types = _layer_types(reader, "gemma3", n_layers, period=6)
-    window = _field(reader, "gemma3.attention.sliding_window")
+    window = reader.get("gemma3.attention.sliding_window")
     if window is not None:
         config.sliding_window = int(window)
     full = {"rope_type": "default",
-            "rope_theta": float(_field(reader, "gemma3.rope.freq_base", 10000.0))}
+            "rope_theta": float(reader.get("gemma3.rope.freq_base", 10000.0))}
     full.update(scaled)
     local = {"rope_type": "default",
-             "rope_theta": float(_field(reader, "gemma3.rope.freq_base_swa", 10000.0))}
+             "rope_theta": float(reader.get("gemma3.rope.freq_base_swa", 10000.0))}
     config.rope_parameters = {"full_attention": full, "sliding_attention": local}
     config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads
                                     if n_layers == 62 else config.head_dim)
@@ -529,7 +521,7 @@ def _rope_scaling(reader, arch: str, yarn: bool) -> Dict[str, Any]:
     where the arch has it (factor, original context, and the betas and attention factor
     where the file gives them)."""
     def key(name):
-        return _field(reader, f"{arch}.rope.scaling.{name}")
+        return reader.get(f"{arch}.rope.scaling.{name}")
 
     scaling, factor = key("type"), key("factor")
     if scaling in (None, "none") or factor is None or float(factor) == 1.0:
@@ -551,7 +543,7 @@ def _rope_scaling(reader, arch: str, yarn: bool) -> Dict[str, Any]:
 def _is_moe(reader, arch: str) -> bool:
     """A mixture-of-experts file that _moe_config describes: qwen3moe, gpt-oss, or llama with
     llama.expert_count > 0 (Mixtral)."""
-    return arch in _EXPERT_ARCHS and int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0
+    return arch in _EXPERT_ARCHS and int(reader.get(f"{arch}.expert_count", 0) or 0) > 0
 
 
 def _scalar(value):
@@ -572,7 +564,7 @@ def _moe_config(reader, arch: str, tensor_names):
     import transformers
 
     def key(name, default=None):
-        value = _field(reader, f"{arch}.{name}", default)
+        value = reader.get(f"{arch}.{name}", default)
         return None if value is None else _scalar(value)
 
     n_head, hidden = int(key("attention.head_count")), int(key("embedding_length"))
@@ -614,7 +606,7 @@ def _layer_types(reader, arch: str, n_layers: int, period: int) -> list:
     """HF layer_types as llama.cpp's load_swa_pattern reads them: the file's per-layer
     sliding_window_pattern, else every layer but each period-th sliding (the file's period where
     it gives one as a number)."""
-    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    pattern = reader.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list) and len(pattern) == n_layers:
         sliding = [bool(p) for p in pattern]
     else:
@@ -625,24 +617,25 @@ def _layer_types(reader, arch: str, n_layers: int, period: int) -> list:
 
 def _build_tokenizer(gguf_path: Path, reader, config):
     from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-    # AutoTokenizer reads the config first, and transformers' GGUF config reader fails on
-    # gpt-oss's rope keys; the tokenizer reader alone does not depend on the arch
-    cls = (PreTrainedTokenizerFast if _field(reader, "general.architecture") == "gpt-oss"
-           else AutoTokenizer)
+    # the class AutoTokenizer maps the model's config to (the fast backend where it maps none);
+    # AutoTokenizer itself would read the whole GGUF once more for a config we already have
+    cls = (PreTrainedTokenizerFast if reader.get("general.architecture") == "gpt-oss"
+           else TOKENIZER_MAPPING.get(type(config), PreTrainedTokenizerFast))
     tokenizer = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
     if not getattr(tokenizer, "chat_template", None):
-        template = _field(reader, "tokenizer.chat_template")
+        template = reader.get("tokenizer.chat_template")
         if template:
             tokenizer.chat_template = template
 
-    pre = _field(reader, "tokenizer.ggml.pre")
+    pre = reader.get("tokenizer.ggml.pre")
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
         pre in _DIGIT_SPLIT_PRE_TOKENIZERS
-        and _field(reader, "tokenizer.ggml.model") == "gpt2"
+        and reader.get("tokenizer.ggml.model") == "gpt2"
         and backend is not None
     ):
         backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -765,7 +758,7 @@ _EOS_KEYS = (
 def _generation_eos_ids(reader, config) -> list:
     """The distinct ids of the GGUF's EOS, EOT and EOM tokens, in that order; the config's
     eos_token_id when the GGUF names none."""
-    ids = [int(v) for v in (_field(reader, key) for key in _EOS_KEYS) if v is not None]
+    ids = [int(v) for v in (reader.get(key) for key in _EOS_KEYS) if v is not None]
     if not ids and config.eos_token_id is not None:
         eos = config.eos_token_id
         ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]

@@ -52,12 +52,11 @@ def load_gguf_linears(gguf_path: str, hf_config) -> Dict[str, QuantWeight]:
     one QuantWeight per expert (mlp.experts.E.gate_proj.weight, ...), each a view of the tensor's
     blocks; the router stays float. "lm_head.weight" is the output projection, or the token
     embedding where the file has none (tied)."""
-    import gguf
-
     from vllm.model_executor import gguf_loader as gl
+    from vllm.model_executor.gguf_file import GGUFFile
 
-    reader = gguf.GGUFReader(gguf_path)
-    arch = gl._field(reader, "general.architecture")
+    reader = GGUFFile(gguf_path)
+    arch = reader.get("general.architecture")
     if arch not in gl._ARCH_BLOCK_NAMES:
         logger.info("--quantization gguf: architecture %r is not one of %s; float32 weights",
                     arch, "/".join(gl._ARCH_BLOCK_NAMES))
