@@ -242,6 +242,23 @@ def test_default_tokenizer(default_dir):
 
 
 @pytest.mark.default_model
+def test_default_tokenizer_is_autotokenizers_own_reading_of_the_file(default_dir):
+    """The converter picks the tokenizer class from its config instead of letting AutoTokenizer
+    read the GGUF again: the same class, special tokens and encodings as AutoTokenizer's."""
+    from transformers import AutoTokenizer
+
+    path = Path(find_default_model_gguf())
+    want = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    got = AutoTokenizer.from_pretrained(str(default_dir))
+    assert type(got) is type(want)
+    assert (got.bos_token, got.eos_token, got.unk_token) == \
+        (want.bos_token, want.eos_token, want.unk_token)
+    for text in ["Hello world", "  leading spaces and\ttabs\n", "naïve café, déjà vu",
+                 "<|im_start|>user\nHi<|im_end|>"]:
+        assert got(text).input_ids == want(text).input_ids, text
+
+
+@pytest.mark.default_model
 def test_default_second_conversion_is_cached(default_dir):
     start = time.perf_counter()
     again = convert_gguf(find_default_model_gguf())
