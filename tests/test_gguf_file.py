@@ -110,3 +110,6 @@ def test_malformed_files_are_value_errors(written, tmp_path):
     short.write_bytes(blob[:-100])
     with pytest.raises(ValueError, match="past the end"):
         GGUFFile(str(short))
+    short.write_bytes(blob[:200])           # cut inside the metadata
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        GGUFFile(str(short))

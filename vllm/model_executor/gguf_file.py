@@ -43,11 +43,17 @@ class _StringArray(NamedTuple):
 
 class GGUFFile:
     def __init__(self, path: str):
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         self.path = str(path)
         self._map = np.memmap(self.path, mode="r", dtype=np.uint8)
         self._buf = memoryview(self._map)
+        try:
+            self._read()
+        except (struct.error, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.path} is a truncated or corrupt GGUF file ({e})") from e
+
+    def _read(self) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
         if bytes(self._buf[:4]) != b"GGUF":
             raise ValueError(f"{self.path} is not a GGUF file (no GGUF magic)")
         version, n_tensors, n_keys = struct.unpack_from("<IQQ", self._buf, 4)
