@@ -36,9 +36,9 @@ class GGUFTensor(NamedTuple):
 
 
 class _StringArray(NamedTuple):
-    """Where a string array's elements start, and how many: decoded when a key is read."""
+    """Where a string array's value (its element type and count, then the elements) starts:
+    decoded when its key is read."""
     pos: int
-    count: int
 
 
 class GGUFFile:
@@ -79,7 +79,7 @@ class GGUFFile:
             dims = struct.unpack_from(f"<{n_dims}Q", self._buf, pos + 4)
             qtype, offset = struct.unpack_from("<IQ", self._buf, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
-            infos.append((name, tuple(int(d) for d in dims), qtype, offset))
+            infos.append((name, dims, qtype, offset))
         align = int(self._fields.get("general.alignment", 32))
         if align <= 0 or align & (align - 1):
             raise ValueError(f"{self.path}: general.alignment {align} is not a power of two")
@@ -113,11 +113,7 @@ class GGUFFile:
         """The value of a metadata key (a number, a string, or a list of them), or default."""
         value = self._fields.get(key, default)
         if isinstance(value, _StringArray):
-            out, pos = [], value.pos
-            for _ in range(value.count):
-                s, pos = self._string(pos)
-                out.append(s)
-            value = self._fields[key] = out
+            value = self._fields[key] = self._value(_ARRAY, value.pos, lazy=False)[0]
         return value
 
     def keys(self):
@@ -142,6 +138,7 @@ class GGUFFile:
             return self._string(pos)
         if vtype != _ARRAY:
             raise ValueError(f"{self.path}: unknown GGUF value type {vtype}")
+        start = pos
         etype, count = struct.unpack_from("<IQ", self._buf, pos)
         pos += 12
         if etype in _SCALAR:
@@ -150,10 +147,9 @@ class GGUFFile:
             values = np.frombuffer(self._buf, dtype=np.dtype(fmt), count=count, offset=pos)
             return values.tolist(), pos + count * size
         if etype == _STRING and lazy:
-            start = pos
             for _ in range(count):
                 pos += 8 + struct.unpack_from("<Q", self._buf, pos)[0]
-            return _StringArray(start, count), pos
+            return _StringArray(start), pos
         if etype in (_STRING, _ARRAY):     # an element is a string, or an array (own header)
             out = []
             for _ in range(count):
