@@ -273,6 +273,33 @@ def test_repacked_gemm_matches_float64_block_math(isa, qtype):
 
 
 @quant_built
+def test_repacked_q6_k_is_lossless(isa):
+    """Q6_K repacked (the avx2 build: int8 values, float32 half-block scales): the float64 block
+    math of gguf's own dequantization at every row count, and bit for bit the unrepacked
+    blocks' product wherever those run as tiles (4+ rows), whose math the records share."""
+    if not quant_kernels.packs(Q6_K, isa):
+        pytest.skip(f"the {isa} build multiplies Q6_K as blocks only")
+    rng = np.random.default_rng(14)
+    n = 37                                  # three column groups, the last one 5 wide
+    for k in (256, 768):
+        blocks = random_blocks(rng, n, k, Q6_K)
+        packed = quant_kernels.repack(torch.from_numpy(blocks), Q6_K, isa=isa)
+        assert packed.shape == (48, k // 32 * 40)
+        assert packed.shape[1] == quant_kernels.packed_row_bytes(Q6_K, k, isa)
+        for m in (1, 2, 3, 4, 5, 8, 9, 70):
+            x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+            x[0, :BLOCK] = 0.0
+            tx = torch.from_numpy(x)
+            y = quant_kernels.gemm(tx, packed, Q6_K | quant_kernels.PACKED, n, k, isa=isa)
+            ref, scale = reference_k(x, blocks, Q6_K)
+            err = np.abs(y.double().numpy() - ref)
+            assert (err <= 1e-5 * scale + 1e-6).all(), (isa, k, m, float((err / scale).max()))
+            if m >= 4:
+                unpacked = quant_kernels.gemm(tx, torch.from_numpy(blocks), Q6_K, n, k, isa=isa)
+                assert torch.equal(y, unpacked), (k, m)
+
+
+@quant_built
 @pytest.mark.parametrize("qtype", [Q8_0, Q4_0, Q4_1, Q6_K])
 def test_vnni_and_madd_variants_agree_bit_for_bit(isa, qtype):
     """On an AVX-512 VNNI CPU the kernels multiply with vpdpbusd / vpdpwssd; turned off, with

@@ -105,12 +105,24 @@ static inline int64_t block_offset(int type, int64_t b) {
 
 #define VQ_PACKED 0x100         /* type flag: the weight is in vq_repack's layout */
 
-/* 1 when type is repacked and multiplied by these kernels */
+/* 1 when type is repacked and multiplied by these kernels (Q6_K by the avx2 build only: the
+   avx512 one has no 512-bit kernel for its records) */
 static inline int packable(int type) {
+#if !defined(VTOK_ISA_AVX512)
+    if (type == T_Q6_K) return 1;
+#endif
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0;
 }
 
-static inline int64_t packed_record(int type) { return 16 * (int64_t)block_bytes(type); }
+/* bytes of one repacked record (16 columns x one 32-element block, see "repacked at load") */
+static inline int64_t packed_record(int type) {
+    return type == T_Q6_K ? 640 : 16 * (int64_t)block_bytes(type);
+}
+
+/* where a record's values start (after its scales, and Q4_1's mins) */
+static inline int packed_quants(int type) {
+    return type == T_Q6_K ? 128 : type == T_Q4_1 ? 64 : 32;
+}
 
 #define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
 
@@ -895,13 +907,17 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
     }
 #endif
 
-/* ---- Q4_0 / Q4_1 / Q8_0 repacked at load: 16 columns interleaved -------------------------- */
+/* ---- Q4_0 / Q4_1 / Q8_0 (and Q6_K on avx2) repacked at load: 16 columns interleaved ------- */
 
 /* A weight repacked by vq_repack is records of 16 columns x one 32-element block, a column
    group's blocks in order, then the next group (columns past n are zero):
        Q4_1  fp16 d[16], fp16 m[16], uint8 q[16][16]      320 bytes (16 x 20)
        Q4_0  fp16 d[16], uint8 q[16][16]                  288 bytes (16 x 18)
        Q8_0  fp16 d[16], int8 q[16][2][16]                544 bytes (16 x 34)
+       Q6_K  float d[16], float d_hi[16], int8 q[16][2][16]   640 bytes (16 x 40)
+   Q6_K's record is one 32-element sub-block of its super-blocks, losslessly: q = q6 - 32 and
+   the two 16-element halves' scales d * scales[i] (exact in float32), d for pairs 0..7 and
+   d_hi for pairs 8..15, as a tile_block holds them.
    The values of pair g (elements 2g, 2g + 1) are, for columns 0..7, the int16 lanes of one madd
    against the broadcast pair X[2g], X[2g + 1] (as tile_block.w[g][0]):
        [c0 e2g, c0 e2g+1, c1 e2g, c1 e2g+1, ..., c7 e2g+1]
@@ -913,20 +929,39 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
 /* pair g's values of columns 0..7 (*w0) and 8..15 (*w1) as int16 */
 ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256i *w0,
                                __m256i *w1) {
-    if (TYPE == T_Q8_0) {
-        const uint8_t *q = rec + 32 + 32 * g;
+    if (TYPE == T_Q8_0 || TYPE == T_Q6_K) {
+        const uint8_t *q = rec + packed_quants(TYPE) + 32 * g;
         *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
         *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
     } else {
-        const uint8_t *q = rec + (TYPE == T_Q4_1 ? 64 : 32) + 16 * g;
+        const uint8_t *q = rec + packed_quants(TYPE) + 16 * g;
         const __m128i v = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(0x0f);
         *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, m4));
         *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
     }
 }
 
+/* the int32 sums s[r] (columns 0..7, 8..15) over a record's pairs [g0, g1) for MR rows */
+ALWAYS_INLINE void packed_sums(const int TYPE, const int MR, const uint8_t *rec, int g0, int g1,
+                               const int16_t **x, int64_t xoff, __m256i (*s)[2]) {
+    for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int g = g0; g < g1; g++) {
+        __m256i w0, w1;
+        packed_pair(TYPE, rec, g, &w0, &w1);
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x[r] + xoff + 2 * g, 4);
+            const __m256i xb = _mm256_set1_epi32(pair);
+            s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xb));
+            s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xb));
+        }
+    }
+}
+
 /* MR activation rows against one column group's nb records: x[r], ed[r], sx[r] the row's X,
-   block scales and sums; out[r] the 16 columns' dot products */
+   block scales and sums; out[r] the 16 columns' dot products. Q6_K: each half's sums take
+   their own scales, in tile_rows' order (bit-identical to the tiles) */
 ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec, int64_t nb,
                                const int16_t **x, const float **ed, const float **sx,
                                float (*out)[TILE_COLS]) {
@@ -935,19 +970,22 @@ ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec,
     for (int r = 0; r < MR; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, rec += rbytes) {
         __m256i s[4][2];
-        for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-        for (int g = 0; g < 16; g++) {
-            __m256i w0, w1;
-            packed_pair(TYPE, rec, g, &w0, &w1);
-            for (int r = 0; r < MR; r++) {
-                int32_t pair;
-                memcpy(&pair, x[r] + b * QK + 2 * g, 4);
-                const __m256i xb = _mm256_set1_epi32(pair);
-                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xb));
-                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xb));
+        if (TYPE == T_Q6_K) {
+            for (int half = 0; half < 2; half++) {
+                packed_sums(TYPE, MR, rec, 8 * half, 8 * half + 8, x, b * QK, s);
+                const float *dp = (const float *)(rec + 64 * half);
+                const __m256 d0 = _mm256_loadu_ps(dp), d1 = _mm256_loadu_ps(dp + 8);
+                for (int r = 0; r < MR; r++) {
+                    const __m256 e = _mm256_broadcast_ss(ed[r] + b);
+                    f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(d0, e),
+                                              f[r][0]);
+                    f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(d1, e),
+                                              f[r][1]);
+                }
             }
+            continue;
         }
+        packed_sums(TYPE, MR, rec, 0, 16, x, b * QK, s);
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec));
         const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16)));
         __m256 m0 = _mm256_setzero_ps(), m1 = m0;
@@ -1032,12 +1070,18 @@ DEFINE_PACKED_ROWS512(packed_rows512_vnni, acc_vnni512)
 #pragma GCC pop_options
 #endif
 
+#if defined(VTOK_ISA_AVX512)
+#define PACKED_Q6_K_CASE(FN, ...)
+#else
+#define PACKED_Q6_K_CASE(FN, ...) case T_Q6_K: FN(T_Q6_K, __VA_ARGS__); break;
+#endif
 #define PACKED_SWITCH(FN, type, ...)                                                           \
     do {                                                                                       \
         switch (type) {                                                                        \
         case T_Q8_0: FN(T_Q8_0, __VA_ARGS__); break;                                           \
         case T_Q4_0: FN(T_Q4_0, __VA_ARGS__); break;                                           \
         case T_Q4_1: FN(T_Q4_1, __VA_ARGS__); break;                                           \
+        PACKED_Q6_K_CASE(FN, __VA_ARGS__)                                                      \
         }                                                                                      \
     } while (0)
 #define PACKED_ROWS_FN(FN, T, MR, ...)                                                         \
@@ -1091,6 +1135,12 @@ static void tile_group(TILE_GROUP_ARGS) {
 ALWAYS_INLINE void decode_packed(const int TYPE, const uint8_t *rec, int nblk, tile_block *t) {
     for (int i = 0; i < nblk; i++, rec += packed_record(TYPE)) {
         for (int g = 0; g < 16; g++) packed_pair(TYPE, rec, g, &t[i].w[g][0], &t[i].w[g][1]);
+        if (TYPE == T_Q6_K) {
+            memcpy(t[i].d, rec, sizeof t[i].d);
+            memcpy(t[i].d_hi, rec + 64, sizeof t[i].d_hi);
+            memset(t[i].m, 0, sizeof t[i].m);
+            continue;
+        }
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16 * h)));
             __m256 mw = _mm256_setzero_ps();
@@ -1339,7 +1389,8 @@ int vq_set_vnni(int on) {
     return vq_uses_vnni();
 }
 
-/* 1 when this build multiplies `type` repacked by vq_repack (Q4_0, Q4_1, Q8_0 on x86) */
+/* 1 when this build multiplies `type` repacked by vq_repack (Q4_0, Q4_1, Q8_0 on x86; Q6_K on
+   avx2) */
 int vq_packs(int type) {
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
     return packable(type);
@@ -1358,15 +1409,30 @@ int64_t vq_packed_bytes(int type, int64_t n, int64_t k) {
    read (see "repacked at load" above). Returns 0, or -1 when this build does not multiply
    `type` repacked or k is not a multiple of 32 */
 int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
-    if (!vq_packs(type) || k % QK || n < 0) return -1;
-    const int64_t nb = k / QK, bb = block_bytes(type), rb = nb * bb;
-    const int qoff = type == T_Q4_1 ? 64 : 32;           /* the record's quants */
+    if (!vq_packs(type) || k % block_elems(type) || n < 0) return -1;
+    const int64_t nb = k / QK, bb = block_bytes(type), rb = k / block_elems(type) * bb;
+    const int qoff = packed_quants(type);
     memset(dst, 0, (size_t)vq_packed_bytes(type, n, k));
     for (int64_t j = 0; j < n; j++) {
         const int c = (int)(j % 16), half = c >> 3, lane = 2 * (c & 7);
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = src + j * rb + b * bb;
+            const uint8_t *blk = src + j * rb + block_offset(type, b);
             uint8_t *rec = dst + (j / 16 * nb + b) * packed_record(type);
+            if (type == T_Q6_K) {      /* sub-block s's values q6 - 32 and its halves' scales */
+                const int s = (int)(b & 7), h = s >> 2, g = s & 3;
+                const uint8_t *ql = blk + 64 * h + 32 * (g & 1), *qh = blk + 128 + 32 * h;
+                const float d = h2f(rd16(blk + 208));
+                const float dh[2] = {d * (float)(int8_t)blk[192 + 2 * s],
+                                     d * (float)(int8_t)blk[193 + 2 * s]};
+                memcpy(rec + 4 * c, &dh[0], 4);
+                memcpy(rec + 64 + 4 * c, &dh[1], 4);
+                for (int e = 0; e < QK; e++) {
+                    const int lo = (ql[e] >> (4 * (g >> 1))) & 15, hi = (qh[e] >> (2 * g)) & 3;
+                    rec[qoff + 32 * (e >> 1) + 16 * half + lane + (e & 1)] =
+                        (uint8_t)(int8_t)((lo | hi << 4) - 32);
+                }
+                continue;
+            }
             memcpy(rec + 2 * c, blk, 2);                                    /* d */
             if (type == T_Q4_1) memcpy(rec + 32 + 2 * c, blk + 2, 2);       /* m */
             for (int e = 0; e < QK; e++) {

@@ -99,15 +99,23 @@ def row_bytes(qtype: int, k: int) -> int:
 
 def packs(qtype: int, isa: Optional[str] = None) -> bool:
     """Whether the `isa` variant (default the active one) multiplies `qtype` repacked (x86
-    builds: Q4_0, Q4_1, Q8_0); there repack() at load is the faster layout at every batch."""
+    builds: Q4_0, Q4_1, Q8_0; the avx2 build Q6_K too); there repack() at load is the faster
+    layout at every batch."""
     lib = library(isa or active_isa())
     return lib is not None and bool(lib.vq_packs(qtype))
+
+
+def packed_row_bytes(qtype: int, k: int, isa: Optional[str] = None) -> int:
+    """Bytes per column of a K-element weight in repack()'s layout: row_bytes(qtype, k) but for
+    Q6_K, whose records hold its values as int8 and its scales as float32 (40 bytes per 32
+    elements against 26.25)."""
+    return library(isa or active_isa()).vq_packed_bytes(qtype, 16, k) // 16
 
 
 def repack(blocks: torch.Tensor, qtype: int, isa: Optional[str] = None) -> torch.Tensor:
     """W [N, row_bytes] in `qtype`'s GGML blocks -> the same weight with 16 columns interleaved
     per 32-element block (quant_kernels.c, "repacked at load"): uint8 [N rounded up to 16,
-    row_bytes], multiplied as qtype | PACKED with the GEMM's n = N."""
+    packed_row_bytes], multiplied as qtype | PACKED with the GEMM's n = N."""
     assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()
     if not packs(qtype, isa):
         raise ValueError(f"{TYPE_NAMES.get(qtype, qtype)} weights are not repacked by the "
@@ -115,17 +123,21 @@ def repack(blocks: torch.Tensor, qtype: int, isa: Optional[str] = None) -> torch
     n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK_ELEMS[qtype]
     assert blocks.shape[1] == row_bytes(qtype, k)
     lib = library(isa or active_isa())
-    out = torch.empty((n + 15) // 16 * 16, blocks.shape[1], dtype=torch.uint8)
+    out = torch.empty((n + 15) // 16 * 16, packed_row_bytes(qtype, k, isa), dtype=torch.uint8)
     assert out.numel() == lib.vq_packed_bytes(qtype, n, k)
     assert lib.vq_repack(qtype, blocks.data_ptr(), n, k, out.data_ptr()) == 0
     return out
 
 
 def _check_weight(blocks: torch.Tensor, qtype: int, n: int, k: int):
-    """A weight's bytes: [n, row_bytes] blocks, or repack()'s [n rounded up to 16, row_bytes]."""
+    """A weight's bytes: [n, row_bytes] blocks, or repack()'s [n rounded up to 16,
+    packed_row_bytes]."""
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.dim() == 2
-    rows = (n + 15) // 16 * 16 if qtype & PACKED else n
-    assert blocks.shape == (rows, row_bytes(qtype & ~PACKED, k)), (blocks.shape, n, k)
+    if qtype & PACKED:
+        shape = ((n + 15) // 16 * 16, packed_row_bytes(qtype & ~PACKED, k))
+    else:
+        shape = (n, row_bytes(qtype, k))
+    assert blocks.shape == shape, (blocks.shape, n, k)
 
 
 def _check_io(x: torch.Tensor, k: int, n: int, bias, residual):
