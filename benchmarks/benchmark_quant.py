@@ -19,12 +19,17 @@ ffn_down's 1536; llama.cpp writes 576-wide rows of a Q4_K_M file as Q5_0), and t
 GEMM (`torch int4`: _weight_int4pack_mm_for_cpu with bf16 activations, onto which Q4_0 and Q4_1
 map exactly), against the engine's float32 C GEMM, at --rows activation rows, weights streamed
 from memory (the call cycles through copies that together exceed the last-level cache, as a
-decode step's 30 layers do). Writes
-benchmark_quant_gemv.json and .png.
+decode step's 30 layers do). Each type runs in the layout the engine loads it in: repacked
+(16 columns interleaved, quant_kernels.repack) where this build repacks the type (x86: Q4_0,
+Q4_1, Q8_0; avx2: Q6_K too), else its GGML blocks; --blocks times every type as blocks (the
+layout before repacking, for comparison). --head N K adds one more GEMM of that shape (an LM
+head: 151936 2048 is benchmark_moe.py's Qwen3-MoE head, Q6_K in its Q4_0 and Q8_0 files) to the
+per-GEMM table, not to the decode step's sum. Writes benchmark_quant_gemv.json and .png.
 
     python benchmarks/benchmark_quant.py [--threads 2] [--batches 1 16 32] [--tokens 33]
     python benchmarks/benchmark_quant.py --formats fp32 q4_1 q4_0 q8_0 bf16 --rounds 3
     python benchmarks/benchmark_quant.py --gemv [--rows 1 16 32]
+    python benchmarks/benchmark_quant.py --gemv --rows 1 4 16 32 --head 151936 2048 [--blocks]
 """
 import argparse
 import os
@@ -96,7 +101,10 @@ def gemv_main(args) -> None:
     rng = np.random.default_rng(0)
     ids = {name: t for t, name in qk.TYPE_NAMES.items()}
     rows, times = [], {}
-    for shape, (n, k, _) in SHAPES.items():
+    shapes = dict(SHAPES)
+    if args.head:
+        shapes["head"] = (*args.head, 0)
+    for shape, (n, k, _) in shapes.items():
         for m in args.rows:
             x = torch.randn(m, k)
             wt = torch.randn(k, n) * 0.05
@@ -114,10 +122,14 @@ def gemv_main(args) -> None:
                 t = ids[name]
                 if k % qk.BLOCK_ELEMS[t]:
                     continue
-                nbytes = n * qk.row_bytes(t, k)
-                ws = [_random_blocks(t, n, k, rng)
-                      for _ in range(max(2, STREAM_BYTES // nbytes))]
-                sec = _time_cycled([lambda w=w: qk.gemm(x, w, t, n, k) for w in ws])
+                ws = [_random_blocks(t, n, k, rng) for _ in
+                      range(max(2, STREAM_BYTES // (n * qk.row_bytes(t, k))))]
+                tf = t
+                if qk.packs(t) and not args.blocks:         # as the engine loads it
+                    ws, tf = [qk.repack(w, t) for w in ws], t | qk.PACKED
+                nbytes = ws[0].numel()
+                sec = _time_cycled([lambda w=w, tf=tf: qk.gemm(x, w, tf, n, k) for w in ws])
+                del ws
                 times[(shape, name, m)] = sec
                 row[f"{name} us"] = sec * 1e6
                 row[f"{name} GB/s"] = nbytes / sec / 1e9
@@ -127,8 +139,9 @@ def gemv_main(args) -> None:
     cols = ["gemm", "N", "K", "rows", "fp32 us", "fp32 GB/s", "BF16 us", "BF16 GB/s"] + \
         [f"{t} us" for t in GEMV_TYPES] + ["torch int4 us"]
     info = cpu_info()
+    repacked = [] if args.blocks else [t for t in GEMV_TYPES if qk.packs(ids[t])]
     title = (f"{info['cpu']}, quant kernels {qk.active_isa()}, {args.threads} threads: "
-             "one GEMM, weights streamed")
+             f"one GEMM, weights streamed; repacked: {', '.join(repacked) or 'none'}")
     table(rows, cols, title)
     formats = {"fp32": {s: "fp32" for s in SHAPES}, "BF16": {s: "BF16" for s in SHAPES},
                "Q8_0": {s: "Q8_0" for s in SHAPES},
@@ -150,8 +163,9 @@ def gemv_main(args) -> None:
     ax.set_ylabel("ms per decode step (GEMMs)")
     ax.set_title(f"SmolLM2-135M GEMMs by weight format, {info['cpu']}")
     ax.legend(fontsize=8)
-    save("benchmark_quant_gemv", {"threads": args.threads, "rows": rows, "step": step_rows,
-                                  "q4_k_m_layout": Q4_K_M}, fig)
+    save(args.name if args.name != "benchmark_quant" else "benchmark_quant_gemv",
+         {"threads": args.threads, "rows": rows, "step": step_rows, "q4_k_m_layout": Q4_K_M,
+          "repacked": repacked}, fig)
 
 
 def decode_tok_s(llm, batch: int, tokens: int) -> float:
@@ -234,6 +248,10 @@ def main() -> None:
                     help="time single GEMMs of the default model's shapes per GGUF type")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16],
                     help="--gemv: activation rows")
+    ap.add_argument("--blocks", action="store_true",
+                    help="--gemv: every type as its GGML blocks, none repacked")
+    ap.add_argument("--head", type=int, nargs=2, metavar=("N", "K"),
+                    help="--gemv: one more GEMM of this shape (an LM head)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.gemv:
