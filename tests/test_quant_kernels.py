@@ -273,29 +273,31 @@ def test_repacked_gemm_matches_float64_block_math(isa, qtype):
 
 
 @quant_built
-def test_repacked_q6_k_is_lossless(isa):
-    """Q6_K repacked (the avx2 build: int8 values, float32 half-block scales): the float64 block
-    math of gguf's own dequantization at every row count, and bit for bit the unrepacked
-    blocks' product wherever those run as tiles (4+ rows), whose math the records share."""
-    if not quant_kernels.packs(Q6_K, isa):
-        pytest.skip(f"the {isa} build multiplies Q6_K as blocks only")
-    rng = np.random.default_rng(14)
+@pytest.mark.parametrize("qtype, record_bytes", [(Q4_K, 24), (Q6_K, 40)])
+def test_repacked_k_quants_are_lossless(isa, qtype, record_bytes):
+    """Q4_K and Q6_K repacked (the avx2 build: nibbles or int8 values, float32 scales and mins
+    per 32-element sub-block): the float64 block math of gguf's own dequantization at every row
+    count, and bit for bit the unrepacked blocks' product wherever those run as tiles (4+ rows),
+    whose math the records share."""
+    if not quant_kernels.packs(qtype, isa):
+        pytest.skip(f"the {isa} build multiplies {quant_kernels.TYPE_NAMES[qtype]} as blocks")
+    rng = np.random.default_rng(qtype)
     n = 37                                  # three column groups, the last one 5 wide
     for k in (256, 768):
-        blocks = random_blocks(rng, n, k, Q6_K)
-        packed = quant_kernels.repack(torch.from_numpy(blocks), Q6_K, isa=isa)
-        assert packed.shape == (48, k // 32 * 40)
-        assert packed.shape[1] == quant_kernels.packed_row_bytes(Q6_K, k, isa)
+        blocks = random_blocks(rng, n, k, qtype)
+        packed = quant_kernels.repack(torch.from_numpy(blocks), qtype, isa=isa)
+        assert packed.shape == (48, k // 32 * record_bytes)
+        assert packed.shape[1] == quant_kernels.packed_row_bytes(qtype, k, isa)
         for m in (1, 2, 3, 4, 5, 8, 9, 70):
             x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
             x[0, :BLOCK] = 0.0
             tx = torch.from_numpy(x)
-            y = quant_kernels.gemm(tx, packed, Q6_K | quant_kernels.PACKED, n, k, isa=isa)
-            ref, scale = reference_k(x, blocks, Q6_K)
+            y = quant_kernels.gemm(tx, packed, qtype | quant_kernels.PACKED, n, k, isa=isa)
+            ref, scale = reference_k(x, blocks, qtype)
             err = np.abs(y.double().numpy() - ref)
             assert (err <= 1e-5 * scale + 1e-6).all(), (isa, k, m, float((err / scale).max()))
             if m >= 4:
-                unpacked = quant_kernels.gemm(tx, torch.from_numpy(blocks), Q6_K, n, k, isa=isa)
+                unpacked = quant_kernels.gemm(tx, torch.from_numpy(blocks), qtype, n, k, isa=isa)
                 assert torch.equal(y, unpacked), (k, m)
 
 
@@ -351,5 +353,5 @@ def test_gemm_parts_mixes_repacked_and_block_weights(isa):
 
 
 def test_repack_rejects_what_the_build_does_not_repack():
-    with pytest.raises(ValueError, match="Q4_K"):
-        quant_kernels.repack(torch.zeros(16, BLOCK_BYTES[Q4_K], dtype=torch.uint8), Q4_K)
+    with pytest.raises(ValueError, match="Q5_0"):
+        quant_kernels.repack(torch.zeros(16, BLOCK_BYTES[Q5_0], dtype=torch.uint8), Q5_0)

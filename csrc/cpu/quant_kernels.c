@@ -105,23 +105,23 @@ static inline int64_t block_offset(int type, int64_t b) {
 
 #define VQ_PACKED 0x100         /* type flag: the weight is in vq_repack's layout */
 
-/* 1 when type is repacked and multiplied by these kernels (Q6_K by the avx2 build only: the
-   avx512 one has no 512-bit kernel for its records) */
+/* 1 when type is repacked and multiplied by these kernels (the K-quants by the avx2 build
+   only: the avx512 one has no 512-bit kernel for their records) */
 static inline int packable(int type) {
 #if !defined(VTOK_ISA_AVX512)
-    if (type == T_Q6_K) return 1;
+    if (type == T_Q4_K || type == T_Q6_K) return 1;
 #endif
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0;
 }
 
 /* bytes of one repacked record (16 columns x one 32-element block, see "repacked at load") */
 static inline int64_t packed_record(int type) {
-    return type == T_Q6_K ? 640 : 16 * (int64_t)block_bytes(type);
+    return type == T_Q6_K ? 640 : type == T_Q4_K ? 384 : 16 * (int64_t)block_bytes(type);
 }
 
-/* where a record's values start (after its scales, and Q4_1's mins) */
+/* where a record's values start (after its scales, and Q4_1's or Q4_K's mins) */
 static inline int packed_quants(int type) {
-    return type == T_Q6_K ? 128 : type == T_Q4_1 ? 64 : 32;
+    return type == T_Q6_K || type == T_Q4_K ? 128 : type == T_Q4_1 ? 64 : 32;
 }
 
 #define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
@@ -915,9 +915,11 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
        Q4_0  fp16 d[16], uint8 q[16][16]                  288 bytes (16 x 18)
        Q8_0  fp16 d[16], int8 q[16][2][16]                544 bytes (16 x 34)
        Q6_K  float d[16], float d_hi[16], int8 q[16][2][16]   640 bytes (16 x 40)
-   Q6_K's record is one 32-element sub-block of its super-blocks, losslessly: q = q6 - 32 and
-   the two 16-element halves' scales d * scales[i] (exact in float32), d for pairs 0..7 and
-   d_hi for pairs 8..15, as a tile_block holds them.
+       Q4_K  float d[16], float m[16], uint8 q[16][16]      384 bytes (16 x 24)
+   A K-quant record is one 32-element sub-block of its super-blocks, losslessly, with the
+   scales a tile_block holds (kq_scales, exact in float32): Q6_K q = q6 - 32 and its two
+   16-element halves' d * scales[i], d for pairs 0..7 and d_hi for pairs 8..15; Q4_K the
+   nibbles, d * sc_j and the min coefficient -dmin * m_j.
    The values of pair g (elements 2g, 2g + 1) are, for columns 0..7, the int16 lanes of one madd
    against the broadcast pair X[2g], X[2g + 1] (as tile_block.w[g][0]):
        [c0 e2g, c0 e2g+1, c1 e2g, c1 e2g+1, ..., c7 e2g+1]
@@ -938,6 +940,24 @@ ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256
         const __m128i v = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(0x0f);
         *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, m4));
         *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    }
+}
+
+/* a record's scales d and offset / min coefficients mw for columns 0..7 ([0]) and 8..15
+   ([1]), as a tile_block holds them (not Q6_K, whose two halves have scales of their own) */
+ALWAYS_INLINE void packed_scales(const int TYPE, const uint8_t *rec, __m256 *d, __m256 *mw) {
+    for (int h = 0; h < 2; h++) {
+        if (TYPE == T_Q4_K) {
+            d[h] = _mm256_loadu_ps((const float *)rec + 8 * h);
+            mw[h] = _mm256_loadu_ps((const float *)rec + 16 + 8 * h);
+            continue;
+        }
+        d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16 * h)));
+        mw[h] = _mm256_setzero_ps();
+        if (TYPE == T_Q4_1)
+            mw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32 + 16 * h)));
+        else if (TYPE == T_Q4_0)
+            mw[h] = _mm256_mul_ps(d[h], _mm256_set1_ps(-8.0f));
     }
 }
 
@@ -986,16 +1006,9 @@ ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec,
             continue;
         }
         packed_sums(TYPE, MR, rec, 0, 16, x, b * QK, s);
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16)));
-        __m256 m0 = _mm256_setzero_ps(), m1 = m0;
-        if (TYPE == T_Q4_1) {
-            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32)));
-            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 48)));
-        } else if (TYPE == T_Q4_0) {
-            m0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f));
-            m1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
-        }
+        __m256 d[2], mw[2];
+        packed_scales(TYPE, rec, d, mw);
+        const __m256 d0 = d[0], d1 = d[1], m0 = mw[0], m1 = mw[1];
         for (int r = 0; r < MR; r++) {
             const __m256 e = _mm256_broadcast_ss(ed[r] + b);
             f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(d0, e), f[r][0]);
@@ -1071,9 +1084,11 @@ DEFINE_PACKED_ROWS512(packed_rows512_vnni, acc_vnni512)
 #endif
 
 #if defined(VTOK_ISA_AVX512)
-#define PACKED_Q6_K_CASE(FN, ...)
+#define PACKED_KQ_CASES(FN, ...)
 #else
-#define PACKED_Q6_K_CASE(FN, ...) case T_Q6_K: FN(T_Q6_K, __VA_ARGS__); break;
+#define PACKED_KQ_CASES(FN, ...)                                                               \
+        case T_Q4_K: FN(T_Q4_K, __VA_ARGS__); break;                                           \
+        case T_Q6_K: FN(T_Q6_K, __VA_ARGS__); break;
 #endif
 #define PACKED_SWITCH(FN, type, ...)                                                           \
     do {                                                                                       \
@@ -1081,7 +1096,7 @@ DEFINE_PACKED_ROWS512(packed_rows512_vnni, acc_vnni512)
         case T_Q8_0: FN(T_Q8_0, __VA_ARGS__); break;                                           \
         case T_Q4_0: FN(T_Q4_0, __VA_ARGS__); break;                                           \
         case T_Q4_1: FN(T_Q4_1, __VA_ARGS__); break;                                           \
-        PACKED_Q6_K_CASE(FN, __VA_ARGS__)                                                      \
+        PACKED_KQ_CASES(FN, __VA_ARGS__)                                                       \
         }                                                                                      \
     } while (0)
 #define PACKED_ROWS_FN(FN, T, MR, ...)                                                         \
@@ -1141,15 +1156,12 @@ ALWAYS_INLINE void decode_packed(const int TYPE, const uint8_t *rec, int nblk, t
             memset(t[i].m, 0, sizeof t[i].m);
             continue;
         }
+        __m256 d[2], mw[2];
+        packed_scales(TYPE, rec, d, mw);
         for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16 * h)));
-            __m256 mw = _mm256_setzero_ps();
-            if (TYPE == T_Q4_1)
-                mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 32 + 16 * h)));
-            if (TYPE == T_Q4_0) mw = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-            _mm256_storeu_ps(t[i].d + 8 * h, d);
-            _mm256_storeu_ps(t[i].d_hi + 8 * h, d);
-            _mm256_storeu_ps(t[i].m + 8 * h, mw);
+            _mm256_storeu_ps(t[i].d + 8 * h, d[h]);
+            _mm256_storeu_ps(t[i].d_hi + 8 * h, d[h]);
+            _mm256_storeu_ps(t[i].m + 8 * h, mw[h]);
         }
     }
 }
@@ -1389,8 +1401,8 @@ int vq_set_vnni(int on) {
     return vq_uses_vnni();
 }
 
-/* 1 when this build multiplies `type` repacked by vq_repack (Q4_0, Q4_1, Q8_0 on x86; Q6_K on
-   avx2) */
+/* 1 when this build multiplies `type` repacked by vq_repack (Q4_0, Q4_1, Q8_0 on x86; Q4_K
+   and Q6_K on avx2) */
 int vq_packs(int type) {
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
     return packable(type);
@@ -1431,6 +1443,19 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
                     rec[qoff + 32 * (e >> 1) + 16 * half + lane + (e & 1)] =
                         (uint8_t)(int8_t)((lo | hi << 4) - 32);
                 }
+                continue;
+            }
+            if (type == T_Q4_K) {      /* sub-block j's nibbles, d * sc_j and -dmin * m_j */
+                const int jj = (int)(b & 7);
+                int sc, mn;
+                k4_scale_min(blk + 4, jj, &sc, &mn);
+                const float dw = h2f(rd16(blk)) * (float)sc, cw = -h2f(rd16(blk + 2)) * (float)mn;
+                memcpy(rec + 4 * c, &dw, 4);
+                memcpy(rec + 64 + 4 * c, &cw, 4);
+                const uint8_t *qs = blk + 16 + 32 * (jj >> 1);
+                for (int e = 0; e < QK; e++)
+                    rec[qoff + 16 * (e >> 1) + lane + (e & 1)] |=
+                        (uint8_t)(((qs[e] >> (4 * (jj & 1))) & 15) << (4 * half));
                 continue;
             }
             memcpy(rec + 2 * c, blk, 2);                                    /* d */
