@@ -510,6 +510,21 @@ def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
     assert str(kp._cache_path(shapes, (4, 2, 16, 2))) != d["cache_path"]
 
 
+def test_plan_key_of_a_gguf_model_follows_the_quant_kernels(monkeypatch, tmp_path):
+    """A model with GGUF blocks times its crossover and int4 choices on the quant kernels: a
+    change to quant_kernels.c must time them again, and it leaves float32 models' plans be."""
+    from vllm.kernels import cpu_kernel_plan as kp, quant_kernels
+    if quant_kernels.SOURCE is None:
+        pytest.skip("no quant kernel source")
+    shapes, attention = {(32, 48): 2}, (4, 2, 16, 2)
+    before = (kp._cache_path(shapes, attention), kp._cache_path(shapes, attention, ("Q4_1",)))
+    edited = tmp_path / "quant_kernels.c"
+    edited.write_bytes(quant_kernels.SOURCE.read_bytes() + b"\n/* edited */\n")
+    monkeypatch.setattr(quant_kernels, "SOURCE", edited)
+    assert kp._cache_path(shapes, attention) == before[0]
+    assert kp._cache_path(shapes, attention, ("Q4_1",)) != before[1]
+
+
 class _FakeClock:
     """The plan module's clock, advanced only by the layer calls a test makes: timing
     decisions are then exact, whatever else the host runs meanwhile."""

@@ -31,7 +31,7 @@ are part of the plan and cached with it, unless timed beside other processes.
 VLLM_CPU_GEMM=c|mkl|torch forces that GEMM path in every band (mkl: up to 128 rows, torch above)
 and times nothing (tests): attention then runs in C, and the fused layer wherever the GEMM is c.
 The decision is cached in <cache root>/cpu_kernels/plan-<key>.json, the key naming the kernel
-build (source, variant, CPU), threads, torch version, the model's shapes and its weight types:
+builds (source, variant, CPU; the quant kernels' too for a model with GGUF blocks), threads, torch version, the model's shapes and its weight types:
 later loads read it and time nothing; `decisions()` returns the last one made as a dict.
 """
 import bisect
@@ -50,7 +50,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from vllm import envs
-from vllm.kernels import cpu_kernels
+from vllm.kernels import cpu_kernels, quant_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -350,9 +350,13 @@ TORCH_ISA_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CP
 def _cache_path(shapes: Dict[Tuple[int, int], int], attention: Tuple[int, ...],
                 weight_types: Tuple[str, ...] = ()) -> "os.PathLike":
     isa = cpu_kernels.active_isa()
-    key = json.dumps([cpu_kernels.build_key(isa), isa, torch.get_num_threads(), torch.__version__,
-                      sorted(shapes.items()), attention, BANDS, MARGIN, TIMING_VERSION,
-                      [os.environ.get(name) for name in TORCH_ISA_ENV], list(weight_types)])
+    # weights beyond float32 also run the quant kernels (GGUF blocks) in the timed choices
+    quant = cpu_kernels.build_key(isa, quant_kernels.SOURCE) \
+        if weight_types and quant_kernels.SOURCE else None
+    key = json.dumps([cpu_kernels.build_key(isa), quant, isa, torch.get_num_threads(),
+                      torch.__version__, sorted(shapes.items()), attention, BANDS, MARGIN,
+                      TIMING_VERSION, [os.environ.get(name) for name in TORCH_ISA_ENV],
+                      list(weight_types)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return envs.VLLM_CACHE_ROOT / "cpu_kernels" / f"plan-{isa}-{digest}.json"
 
