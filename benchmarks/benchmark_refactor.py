@@ -1,4 +1,5 @@
-"""The default model's decode throughput at two revisions of this repository, in one run.
+"""A model's decode throughput at two revisions of this repository, in one run (default: the
+default model; --model a .gguf file or model directory both revisions load).
 
 The model-library refactor (8f13a1b..02aab15: the kernels' new home, the model loader, the
 family-agnostic CpuDecodeModel) must not slow the default model: after >= 0.98x before. This
@@ -22,6 +23,7 @@ which); VLLM_CPU_GEMM=c in the environment pins the GEMM path for both.
     python benchmarks/benchmark_refactor.py --threads 2                # batch 1, 16, 32; 3 rounds
     python benchmarks/benchmark_refactor.py --threads 2 --rounds 5 --batches 1 32
     python benchmarks/benchmark_refactor.py --quick                    # batch 1, 32 + 16 tokens
+    python benchmarks/benchmark_refactor.py --before 73f9b38 --model gemma-3-270m-q4_k_m.gguf
 """
 import json
 import os
@@ -70,7 +72,7 @@ def _outside(tree: str) -> list:
                   and not os.path.realpath(mod.__file__).startswith(root))
 
 
-def worker(tree: str, prompts_file: str, threads: int, new_tokens: int) -> None:
+def worker(tree: str, prompts_file: str, threads: int, new_tokens: int, model: str) -> None:
     # the .venv's editable install of this checkout resolves what a tree lacks (vllm.kernels
     # for the old one) from this checkout: off, so each revision runs only its own modules
     sys.meta_path[:] = [f for f in sys.meta_path
@@ -92,7 +94,7 @@ def worker(tree: str, prompts_file: str, threads: int, new_tokens: int) -> None:
     with open(prompts_file) as f:
         prompts = json.load(f)
     t0 = time.perf_counter()
-    llm = LLM()
+    llm = LLM(model) if model else LLM()
     load_s = time.perf_counter() - t0
     if _outside(tree):
         raise SystemExit(f"vllm modules imported from outside {tree}: {_outside(tree)}")
@@ -157,7 +159,7 @@ class Worker:
         env = dict(os.environ, PYTHONPATH=tree, TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", tree, prompts_file,
-             str(args.threads), str(args.new_tokens)],
+             str(args.threads), str(args.new_tokens), args.model or ""],
             cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
             text=True, bufsize=1, preexec_fn=common.die_with_parent)
 
@@ -212,7 +214,7 @@ def plot(rows, title: str):
     pyplot = common.plt()
     fig, ax = pyplot.subplots(figsize=(5.4, 3.2))
     x = list(range(len(rows)))
-    for k, (key, label) in enumerate([("before_tok_s", "before the refactor"),
+    for k, (key, label) in enumerate([("before_tok_s", "before"),
                                       ("after_tok_s", "after")]):
         ax.bar([i + (k - 0.5) * 0.38 for i in x], [r[key] for r in rows], 0.38, label=label)
     for i, r in zip(x, rows):
@@ -229,8 +231,8 @@ def plot(rows, title: str):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        tree, prompts_file, threads, new_tokens = sys.argv[2:6]
-        worker(tree, prompts_file, int(threads), int(new_tokens))
+        tree, prompts_file, threads, new_tokens, model = sys.argv[2:7]
+        worker(tree, prompts_file, int(threads), int(new_tokens), model)
         return
     p = common.base_parser(__doc__)
     p.add_argument("--before", default=BEFORE, help="revision before (default %(default)s)")
@@ -247,8 +249,7 @@ def main():
     p.add_argument("--out", default=common.RESULTS, help="folder for the JSON and PNG "
                                                          "(default %(default)s)")
     args = p.parse_args()
-    if args.model:
-        p.error("--model: this benchmark runs the default model, as LLM() does")
+    args.model, label = common.model_for(args)      # None: the default model, as LLM() loads it
     batches = args.batches or ([1] if args.quick else [1, 16, 32])
     args.prompt_len = args.prompt_len or (32 if args.quick else 128)
     args.new_tokens = args.new_tokens or (16 if args.quick else 128)
@@ -256,7 +257,7 @@ def main():
     common.setup(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # kill: still remove worktrees
     print(common.machine())
-    tok = common.tokenizer_for(None)
+    tok = common.tokenizer_for(args.model)
     ids = common.fixed_length_prompts(tok, max(batches), args.prompt_len, args.seed)
     work_dir = tempfile.mkdtemp(prefix="benchmark-refactor-")
     prompts_file = os.path.join(work_dir, "prompts.json")
@@ -298,7 +299,7 @@ def main():
     shutil.rmtree(work_dir, ignore_errors=True)     # kept when a worker failed (its log)
     info = common.cpu_info()
     env = {k: os.environ[k] for k in ENGINE_ENV if k in os.environ}
-    title = (f"Default model (LLM() defaults: quantization {revisions['after']['quantization']}),"
+    title = (f"{label} (LLM() defaults: quantization {revisions['after']['quantization']}),"
              f" {args.prompt_len}-token prompts + {args.new_tokens} new tokens, generated tokens/s"
              f" incl. prefill ({common.machine()})\nbefore {revisions['before']['short']}, after "
              f"{revisions['after']['short']}"
@@ -308,12 +309,14 @@ def main():
                f"ratios, _min the lowest; required >= {REQUIRED}")
     text = common.table(rows, ["batch", "before_tok_s", "after_tok_s", "after_vs_before",
                                "after_vs_before_min", "meets_0.98"], title)
-    fig = plot(rows, f"Default model before / after the refactor ({revisions['before']['short']}"
+    fig = plot(rows, f"{os.path.basename(label)} before / after ({revisions['before']['short']}"
                      f" / {revisions['after']['short']}), {info['cpu']}, {args.threads} threads, "
                      f"C kernels {info['isa']}")
     results, common.RESULTS = common.RESULTS, args.out     # common.save writes there
     try:
-        common.save("benchmark_refactor",
+        name = "benchmark_refactor" if args.model is None else "benchmark_revisions_" + \
+            os.path.basename(args.model.rstrip("/")).split(".")[0]
+        common.save(name,
                     {"args": vars(args), "env": env, "batches": batches, "rounds": rounds,
                      "threads": args.threads, "required": REQUIRED, "revisions": revisions,
                      "rows": rows, "table": text}, fig)
