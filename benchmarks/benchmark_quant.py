@@ -21,10 +21,10 @@ map exactly), against the engine's float32 C GEMM, at --rows activation rows, we
 from memory (the call cycles through copies that together exceed the last-level cache, as a
 decode step's 30 layers do). Each type runs in the layout the engine loads it in: repacked
 (16 columns interleaved, quant_kernels.repack) where this build repacks the type (x86: Q4_0,
-Q4_1, Q8_0; avx2: Q6_K too), else its GGML blocks; --blocks times every type as blocks (the
-layout before repacking, for comparison). --head N K adds one more GEMM of that shape (an LM
-head: 151936 2048 is benchmark_moe.py's Qwen3-MoE head, Q6_K in its Q4_0 and Q8_0 files) to the
-per-GEMM table, not to the decode step's sum. Writes benchmark_quant_gemv.json and .png.
+Q4_1, Q8_0; avx2: Q5_0, Q4_K, Q6_K too), else its GGML blocks; --blocks times every type as
+blocks (the layout before repacking, for comparison). --head N K adds one more GEMM of that
+shape (an LM head: 151936 2048 is benchmark_moe.py's Qwen3-MoE head, Q6_K in its Q4_0 and Q8_0
+files) to the per-GEMM table, not to the decode step's sum. Writes benchmark_quant_gemv.json and .png.
 
     python benchmarks/benchmark_quant.py [--threads 2] [--batches 1 16 32] [--tokens 33]
     python benchmarks/benchmark_quant.py --formats fp32 q4_1 q4_0 q8_0 bf16 --rounds 3

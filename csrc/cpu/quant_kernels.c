@@ -127,7 +127,14 @@ static inline int64_t packed_record(int type) {
 
 /* where a record's values start (after its scales, and Q4_1's or Q4_K's mins) */
 static inline int packed_quants(int type) {
+    type = packed_kind(type);
     return type == T_Q6_K || type == T_Q4_K ? 128 : type == T_Q4_1 ? 64 : 32;
+}
+
+/* 1 when a record holds one byte per value (int8), 0 when two nibbles per byte */
+static inline int packed_bytes_per_value(int type) {
+    type = packed_kind(type);
+    return type == T_Q8_0 || type == T_Q6_K;
 }
 
 #define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
@@ -913,7 +920,7 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
     }
 #endif
 
-/* ---- Q4_0 / Q4_1 / Q8_0 (and Q6_K on avx2) repacked at load: 16 columns interleaved ------- */
+/* ---- Q4_0 / Q4_1 / Q8_0 (and Q5_0, Q4_K, Q6_K on avx2) repacked at load: 16 columns ------- */
 
 /* A weight repacked by vq_repack is records of 16 columns x one 32-element block, a column
    group's blocks in order, then the next group (columns past n are zero):
@@ -938,7 +945,7 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
 /* pair g's values of columns 0..7 (*w0) and 8..15 (*w1) as int16 */
 ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256i *w0,
                                __m256i *w1) {
-    if (TYPE == T_Q8_0 || TYPE == T_Q6_K) {
+    if (packed_bytes_per_value(TYPE)) {
         const uint8_t *q = rec + packed_quants(TYPE) + 32 * g;
         *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
         *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
@@ -951,9 +958,16 @@ ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256
 }
 
 /* a record's scales d and offset / min coefficients mw for columns 0..7 ([0]) and 8..15
-   ([1]), as a tile_block holds them (not Q6_K, whose two halves have scales of their own) */
-ALWAYS_INLINE void packed_scales(const int TYPE, const uint8_t *rec, __m256 *d, __m256 *mw) {
+   ([1]), as a tile_block holds them: those of the pairs of `half` (Q6_K: pairs 0..7 or 8..15
+   have scales of their own; every other type one set for all 16 pairs) */
+ALWAYS_INLINE void packed_scales(const int TYPE, const uint8_t *rec, int half, __m256 *d,
+                                 __m256 *mw) {
     for (int h = 0; h < 2; h++) {
+        if (TYPE == T_Q6_K) {
+            d[h] = _mm256_loadu_ps((const float *)rec + 16 * half + 8 * h);
+            mw[h] = _mm256_setzero_ps();
+            continue;
+        }
         if (TYPE == T_Q4_K) {
             d[h] = _mm256_loadu_ps((const float *)rec + 8 * h);
             mw[h] = _mm256_loadu_ps((const float *)rec + 16 + 8 * h);
@@ -987,8 +1001,8 @@ ALWAYS_INLINE void packed_sums(const int TYPE, const int MR, const uint8_t *rec,
 }
 
 /* MR activation rows against one column group's nb records: x[r], ed[r], sx[r] the row's X,
-   block scales and sums; out[r] the 16 columns' dot products. Q6_K: each half's sums take
-   their own scales, in tile_rows' order (bit-identical to the tiles) */
+   block scales and sums; out[r] the 16 columns' dot products, summed as tile_rows sums them
+   (Q6_K: each half's pairs with their own scales), so bit-identical to the tiles */
 ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec, int64_t nb,
                                const int16_t **x, const float **ed, const float **sx,
                                float (*out)[TILE_COLS]) {
@@ -996,34 +1010,23 @@ ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec,
     __m256 f[4][2];
     for (int r = 0; r < MR; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, rec += rbytes) {
-        __m256i s[4][2];
-        if (TYPE == T_Q6_K) {
-            for (int half = 0; half < 2; half++) {
-                packed_sums(TYPE, MR, rec, 8 * half, 8 * half + 8, x, b * QK, s);
-                const float *dp = (const float *)(rec + 64 * half);
-                const __m256 d0 = _mm256_loadu_ps(dp), d1 = _mm256_loadu_ps(dp + 8);
-                for (int r = 0; r < MR; r++) {
-                    const __m256 e = _mm256_broadcast_ss(ed[r] + b);
-                    f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(d0, e),
-                                              f[r][0]);
-                    f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(d1, e),
-                                              f[r][1]);
+        for (int half = 0; half < (TYPE == T_Q6_K ? 2 : 1); half++) {
+            const int g0 = TYPE == T_Q6_K ? 8 * half : 0, g1 = TYPE == T_Q6_K ? g0 + 8 : 16;
+            __m256i s[4][2];
+            __m256 d[2], mw[2];
+            packed_sums(TYPE, MR, rec, g0, g1, x, b * QK, s);
+            packed_scales(TYPE, rec, half, d, mw);
+            for (int r = 0; r < MR; r++) {
+                const __m256 e = _mm256_broadcast_ss(ed[r] + b);
+                f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(d[0], e),
+                                          f[r][0]);
+                f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(d[1], e),
+                                          f[r][1]);
+                if (has_sum_term(TYPE)) {
+                    const __m256 sb = _mm256_broadcast_ss(sx[r] + b);
+                    f[r][0] = _mm256_fmadd_ps(mw[0], sb, f[r][0]);
+                    f[r][1] = _mm256_fmadd_ps(mw[1], sb, f[r][1]);
                 }
-            }
-            continue;
-        }
-        packed_sums(TYPE, MR, rec, 0, 16, x, b * QK, s);
-        __m256 d[2], mw[2];
-        packed_scales(TYPE, rec, d, mw);
-        const __m256 d0 = d[0], d1 = d[1], m0 = mw[0], m1 = mw[1];
-        for (int r = 0; r < MR; r++) {
-            const __m256 e = _mm256_broadcast_ss(ed[r] + b);
-            f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(d0, e), f[r][0]);
-            f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(d1, e), f[r][1]);
-            if (TYPE != T_Q8_0) {
-                const __m256 sb = _mm256_broadcast_ss(sx[r] + b);
-                f[r][0] = _mm256_fmadd_ps(m0, sb, f[r][0]);
-                f[r][1] = _mm256_fmadd_ps(m1, sb, f[r][1]);
             }
         }
     }
@@ -1042,8 +1045,9 @@ ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec,
    half shifts down the high ones: byte 0x3a -> lane 0 = 0xa, lane 16 = 0x3. */
 ALWAYS_INLINE __m512i packed_pair512(const int TYPE, const uint8_t *rec, int g) {
     if (TYPE == T_Q8_0)
-        return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 32 + 32 * g)));
-    const uint8_t *q = rec + (TYPE == T_Q4_1 ? 64 : 32) + 16 * g;
+        return _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256((const __m256i *)(rec + packed_quants(TYPE) + 32 * g)));
+    const uint8_t *q = rec + packed_quants(TYPE) + 16 * g;
     const __m512i v = _mm512_cvtepu8_epi16(
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q)));
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
@@ -1157,17 +1161,12 @@ static void tile_group(TILE_GROUP_ARGS) {
 ALWAYS_INLINE void decode_packed(const int TYPE, const uint8_t *rec, int nblk, tile_block *t) {
     for (int i = 0; i < nblk; i++, rec += packed_record(TYPE)) {
         for (int g = 0; g < 16; g++) packed_pair(TYPE, rec, g, &t[i].w[g][0], &t[i].w[g][1]);
-        if (TYPE == T_Q6_K) {
-            memcpy(t[i].d, rec, sizeof t[i].d);
-            memcpy(t[i].d_hi, rec + 64, sizeof t[i].d_hi);
-            memset(t[i].m, 0, sizeof t[i].m);
-            continue;
-        }
-        __m256 d[2], mw[2];
-        packed_scales(TYPE, rec, d, mw);
+        __m256 d[2], mw[2], d_hi[2], unused[2];
+        packed_scales(TYPE, rec, 0, d, mw);
+        if (TYPE == T_Q6_K) packed_scales(TYPE, rec, 1, d_hi, unused);
         for (int h = 0; h < 2; h++) {
             _mm256_storeu_ps(t[i].d + 8 * h, d[h]);
-            _mm256_storeu_ps(t[i].d_hi + 8 * h, d[h]);
+            _mm256_storeu_ps(t[i].d_hi + 8 * h, TYPE == T_Q6_K ? d_hi[h] : d[h]);
             _mm256_storeu_ps(t[i].m + 8 * h, mw[h]);
         }
     }
@@ -1408,8 +1407,8 @@ int vq_set_vnni(int on) {
     return vq_uses_vnni();
 }
 
-/* 1 when this build multiplies `type` repacked by vq_repack (Q4_0, Q4_1, Q8_0 on x86; Q4_K
-   and Q6_K on avx2) */
+/* 1 when this build multiplies `type` repacked by vq_repack (Q4_0, Q4_1, Q8_0 on x86; Q5_0,
+   Q4_K and Q6_K on avx2) */
 int vq_packs(int type) {
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
     return packable(type);
@@ -1437,6 +1436,7 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = src + j * rb + block_offset(type, b);
             uint8_t *rec = dst + (j / 16 * nb + b) * packed_record(type);
+            uint8_t v[QK];             /* the values as the record holds them */
             if (type == T_Q6_K) {      /* sub-block s's values q6 - 32 and its halves' scales */
                 const int s = (int)(b & 7), h = s >> 2, g = s & 3;
                 const uint8_t *ql = blk + 64 * h + 32 * (g & 1), *qh = blk + 128 + 32 * h;
@@ -1447,12 +1447,9 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
                 memcpy(rec + 64 + 4 * c, &dh[1], 4);
                 for (int e = 0; e < QK; e++) {
                     const int lo = (ql[e] >> (4 * (g >> 1))) & 15, hi = (qh[e] >> (2 * g)) & 3;
-                    rec[qoff + 32 * (e >> 1) + 16 * half + lane + (e & 1)] =
-                        (uint8_t)(int8_t)((lo | hi << 4) - 32);
+                    v[e] = (uint8_t)(int8_t)((lo | hi << 4) - 32);
                 }
-                continue;
-            }
-            if (type == T_Q4_K) {      /* sub-block j's nibbles, d * sc_j and -dmin * m_j */
+            } else if (type == T_Q4_K) {   /* sub-block j's nibbles, d * sc_j and -dmin * m_j */
                 const int jj = (int)(b & 7);
                 int sc, mn;
                 k4_scale_min(blk + 4, jj, &sc, &mn);
@@ -1460,31 +1457,29 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
                 memcpy(rec + 4 * c, &dw, 4);
                 memcpy(rec + 64 + 4 * c, &cw, 4);
                 const uint8_t *qs = blk + 16 + 32 * (jj >> 1);
-                for (int e = 0; e < QK; e++)
-                    rec[qoff + 16 * (e >> 1) + lane + (e & 1)] |=
-                        (uint8_t)(((qs[e] >> (4 * (jj & 1))) & 15) << (4 * half));
-                continue;
-            }
-            memcpy(rec + 2 * c, blk, 2);                                    /* d */
-            if (type == T_Q5_0) {      /* a Q8_0 record of q5 - 16 */
-                const uint32_t qh = rd32(blk + 2);
-                for (int e = 0; e < QK; e++) {
-                    const int lo = e < 16 ? blk[6 + e] & 15 : blk[6 + e - 16] >> 4;
-                    rec[qoff + 32 * (e >> 1) + 16 * half + lane + (e & 1)] =
-                        (uint8_t)(int8_t)((lo | ((qh >> e) & 1) << 4) - 16);
+                for (int e = 0; e < QK; e++) v[e] = (qs[e] >> (4 * (jj & 1))) & 15;
+            } else {
+                memcpy(rec + 2 * c, blk, 2);                                /* d */
+                if (type == T_Q4_1) memcpy(rec + 32 + 2 * c, blk + 2, 2);   /* m */
+                if (type == T_Q8_0) {
+                    memcpy(v, blk + 2, QK);
+                } else if (type == T_Q5_0) {                   /* Q8_0's values q5 - 16 */
+                    const uint32_t qh = rd32(blk + 2);
+                    for (int e = 0; e < QK; e++) {
+                        const int lo = e < 16 ? blk[6 + e] & 15 : blk[6 + e - 16] >> 4;
+                        v[e] = (uint8_t)(int8_t)((lo | ((qh >> e) & 1) << 4) - 16);
+                    }
+                } else {                                       /* Q4_0, Q4_1 */
+                    const uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
+                    for (int e = 0; e < QK; e++) v[e] = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
                 }
-                continue;
             }
-            if (type == T_Q4_1) memcpy(rec + 32 + 2 * c, blk + 2, 2);       /* m */
             for (int e = 0; e < QK; e++) {
                 const int g = e >> 1, i = lane + (e & 1);
-                if (type == T_Q8_0) {
-                    rec[qoff + 32 * g + 16 * half + i] = blk[2 + e];
-                } else {
-                    const uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
-                    const int v = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
-                    rec[qoff + 16 * g + i] |= (uint8_t)(v << (4 * half));
-                }
+                if (packed_bytes_per_value(type))
+                    rec[qoff + 32 * g + 16 * half + i] = v[e];
+                else
+                    rec[qoff + 16 * g + i] |= (uint8_t)(v[e] << (4 * half));
             }
         }
     }
@@ -1518,8 +1513,7 @@ static inline void gemm_columns(int typef, const uint8_t *w, int64_t j0, int64_t
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
     if (typef & VQ_PACKED) {
         columns_packed(packed_kind(type), w, j0, j1, k, x16, xd + m * nb, xs, m, bias,
-                       residual, y, ldy,
-                       vnni);
+                       residual, y, ldy, vnni);
         return;
     }
     if (x16 && m >= TILE_MIN_ROWS) {

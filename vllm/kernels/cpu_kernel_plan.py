@@ -31,8 +31,9 @@ are part of the plan and cached with it, unless timed beside other processes.
 VLLM_CPU_GEMM=c|mkl|torch forces that GEMM path in every band (mkl: up to 128 rows, torch above)
 and times nothing (tests): attention then runs in C, and the fused layer wherever the GEMM is c.
 The decision is cached in <cache root>/cpu_kernels/plan-<key>.json, the key naming the kernel
-builds (source, variant, CPU; the quant kernels' too for a model with GGUF blocks), threads, torch version, the model's shapes and its weight types:
-later loads read it and time nothing; `decisions()` returns the last one made as a dict.
+builds (source, variant, CPU; the quant kernels' too for a model with GGUF blocks), threads,
+torch version, the model's shapes and its weight types: later loads read it and time nothing;
+`decisions()` returns the last one made as a dict.
 """
 import bisect
 import hashlib

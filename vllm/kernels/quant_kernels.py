@@ -99,16 +99,17 @@ def row_bytes(qtype: int, k: int) -> int:
 
 def packs(qtype: int, isa: Optional[str] = None) -> bool:
     """Whether the `isa` variant (default the active one) multiplies `qtype` repacked (x86
-    builds: Q4_0, Q4_1, Q8_0; the avx2 build Q4_K and Q6_K too); there repack() at load is the
-    faster layout at every batch."""
+    builds: Q4_0, Q4_1, Q8_0; the avx2 build Q5_0, Q4_K and Q6_K too); there repack() at load
+    is the faster layout at every batch."""
     lib = library(isa or active_isa())
     return lib is not None and bool(lib.vq_packs(qtype))
 
 
 def packed_row_bytes(qtype: int, k: int, isa: Optional[str] = None) -> int:
     """Bytes per column of a K-element weight in repack()'s layout: row_bytes(qtype, k), but for
-    the K-quants, whose records hold float32 scales per 32 elements (Q4_K 24 bytes against
-    18; Q6_K 40 against 26.25, its values as int8)."""
+    the types whose records are wider than their blocks: the K-quants' float32 scales per 32
+    elements (Q4_K 24 bytes against 18; Q6_K 40 against 26.25, its values as int8) and Q5_0 in
+    Q8_0's records (34 against 22)."""
     return library(isa or active_isa()).vq_packed_bytes(qtype, 16, k) // 16
 
 

@@ -197,7 +197,7 @@ def _part(run: List[QuantWeight]):
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) (+ residual) with W in GGML blocks; the weights of a fused GEMM are
     given in output order, consecutive ones of one type as one part (their rows concatenated,
-    Q4_0 / Q4_1 / Q8_0 repacked on x86, Q4_K and Q6_K too on avx2), parts of different types
+    Q4_0 / Q4_1 / Q8_0 repacked on x86, Q5_0 / Q4_K / Q6_K too on avx2), parts of different types
     multiplied in one call (quant_kernels.gemm_parts). Linear's interface: in_features,
     out_features, bias, forward(x, residual); `packed` is None, and the C decode layer
     multiplies `block_weight` instead."""
