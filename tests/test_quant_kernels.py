@@ -273,10 +273,11 @@ def test_repacked_gemm_matches_float64_block_math(isa, qtype):
 
 
 @quant_built
-@pytest.mark.parametrize("qtype, record_bytes", [(Q4_K, 24), (Q6_K, 40), (Q5_0, 34)])
+@pytest.mark.parametrize("qtype, record_bytes", [(Q4_K, 24), (Q6_K, 28), (Q5_0, 34)])
 def test_repacked_avx2_types_are_lossless(isa, qtype, record_bytes):
-    """Q4_K, Q6_K and Q5_0 repacked (the avx2 build: K-quants as nibbles or int8 values with
-    float32 scales and mins per 32-element sub-block, Q5_0 as Q8_0 records of q5 - 16): the
+    """Q4_K, Q6_K and Q5_0 repacked (the avx2 build: Q4_K as nibbles with float32 scales and
+    mins per 32-element sub-block, Q6_K as nibbles and a plane of their top two bits with fp16 d
+    and int8 scales, Q5_0 as Q8_0 records of q5 - 16): the
     float64 block math of gguf's own dequantization at every row count; the K-quants also bit
     for bit the unrepacked blocks' product wherever those run as tiles (4+ rows), whose math
     their records share (Q5_0's records drop its offset term, so only the sums agree)."""

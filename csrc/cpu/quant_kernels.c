@@ -122,19 +122,22 @@ static inline int packed_kind(int type) { return type == T_Q5_0 ? T_Q8_0 : type;
 /* bytes of one repacked record (16 columns x one 32-element block, see "repacked at load") */
 static inline int64_t packed_record(int type) {
     type = packed_kind(type);
-    return type == T_Q6_K ? 640 : type == T_Q4_K ? 384 : 16 * (int64_t)block_bytes(type);
+    return type == T_Q6_K ? 448 : type == T_Q4_K ? 384 : 16 * (int64_t)block_bytes(type);
 }
 
 /* where a record's values start (after its scales, and Q4_1's or Q4_K's mins) */
 static inline int packed_quants(int type) {
     type = packed_kind(type);
-    return type == T_Q6_K || type == T_Q4_K ? 128 : type == T_Q4_1 ? 64 : 32;
+    return type == T_Q4_K ? 128 : type == T_Q4_1 || type == T_Q6_K ? 64 : 32;
 }
 
-/* 1 when a record holds one byte per value (int8), 0 when two nibbles per byte */
+/* where a Q6_K record's plane of the values' top two bits starts (after the nibbles) */
+#define Q6_HIGH_BITS 320
+
+/* 1 when a record holds one byte per value (int8), 0 when two nibbles per byte (Q6_K's
+   nibbles are its values' low four bits) */
 static inline int packed_bytes_per_value(int type) {
-    type = packed_kind(type);
-    return type == T_Q8_0 || type == T_Q6_K;
+    return packed_kind(type) == T_Q8_0;
 }
 
 #define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
@@ -927,13 +930,18 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
        Q4_1  fp16 d[16], fp16 m[16], uint8 q[16][16]      320 bytes (16 x 20)
        Q4_0  fp16 d[16], uint8 q[16][16]                  288 bytes (16 x 18)
        Q8_0  fp16 d[16], int8 q[16][2][16]                544 bytes (16 x 34)
-       Q6_K  float d[16], float d_hi[16], int8 q[16][2][16]   640 bytes (16 x 40)
+       Q6_K  fp16 d[16], int8 sc[2][16], uint8 q[16][16], uint8 qh[8][16]
+                                                           448 bytes (16 x 28)
        Q4_K  float d[16], float m[16], uint8 q[16][16]      384 bytes (16 x 24)
        Q5_0  as Q8_0, q = q5 - 16                          544 bytes (16 x 34)
-   A K-quant record is one 32-element sub-block of its super-blocks, losslessly, with the
-   scales a tile_block holds (kq_scales, exact in float32): Q6_K q = q6 - 32 and its two
-   16-element halves' d * scales[i], d for pairs 0..7 and d_hi for pairs 8..15; Q4_K the
-   nibbles, d * sc_j and the min coefficient -dmin * m_j.
+   A K-quant record is one 32-element sub-block of its super-blocks, losslessly. Q4_K: the
+   nibbles with the scales a tile_block holds (kq_scales, exact in float32), d * sc_j and the
+   min coefficient -dmin * m_j. Q6_K: its 6-bit values q6 as nibbles (q, the low four bits)
+   and a plane of their top two bits (qh), the super-block's d and the sub-block's two
+   16-element scales sc[0] (pairs 0..7) and sc[1] (pairs 8..15); the kernels read
+   d * sc (exact in float32, as kq_scales) and q6 - 32. qh[p] serves pairs 2p and 2p + 1:
+   byte i's bits 0-1 are the top bits of q[2p] byte i's low nibble, bits 2-3 of its high one,
+   bits 4-5 and 6-7 those of q[2p + 1]. 0.875 bytes a weight, against the blocks' 0.82.
    The values of pair g (elements 2g, 2g + 1) are, for columns 0..7, the int16 lanes of one madd
    against the broadcast pair X[2g], X[2g + 1] (as tile_block.w[g][0]):
        [c0 e2g, c0 e2g+1, c1 e2g, c1 e2g+1, ..., c7 e2g+1]
@@ -942,7 +950,7 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
    per-column scales are two vector loads: the block math is the tiles' (see above), for one
    row as for many, with no per-column scalar work. */
 
-/* pair g's values of columns 0..7 (*w0) and 8..15 (*w1) as int16 */
+/* pair g's values of columns 0..7 (*w0) and 8..15 (*w1) as int16 (not Q6_K: packed_pairs) */
 ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256i *w0,
                                __m256i *w1) {
     if (packed_bytes_per_value(TYPE)) {
@@ -957,6 +965,34 @@ ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256
     }
 }
 
+/* pairs g and g + 1 (g even): w[p][h] = pair g + p's values of columns 8h .. 8h + 7 as int16.
+   Q6_K decodes both pairs in 256-bit byte lanes (pair g low, g + 1 high): the nibbles of the
+   two pairs are one load, qh[g / 2] is broadcast and shifted so that each lane's top bits of
+   its low nibbles sit at bits 4-5 and of its high nibbles at bits 6-7; masks join them (a
+   32-bit shift's spill into the next byte lands in bits the masks drop) */
+ALWAYS_INLINE void packed_pairs(const int TYPE, const uint8_t *rec, int g, __m256i (*w)[2]) {
+    if (TYPE != T_Q6_K) {
+        packed_pair(TYPE, rec, g, &w[0][0], &w[0][1]);
+        packed_pair(TYPE, rec, g + 1, &w[1][0], &w[1][1]);
+        return;
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + packed_quants(TYPE) + 16 * g));
+    const __m256i hb = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)(rec + Q6_HIGH_BITS + 8 * g)));
+    const __m256i top = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4, 4, 4, 4, 0, 0, 0, 0));
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    const __m256i bias = _mm256_set1_epi8(32);
+    const __m256i q0 = _mm256_sub_epi8(
+        _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(top, m30)), bias);
+    const __m256i q1 = _mm256_sub_epi8(
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(top, 2), m30)), bias);
+    w[0][0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q0));
+    w[0][1] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q1));
+    w[1][0] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q0, 1));
+    w[1][1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q1, 1));
+}
+
 /* a record's scales d and offset / min coefficients mw for columns 0..7 ([0]) and 8..15
    ([1]), as a tile_block holds them: those of the pairs of `half` (Q6_K: pairs 0..7 or 8..15
    have scales of their own; every other type one set for all 16 pairs) */
@@ -964,7 +1000,9 @@ ALWAYS_INLINE void packed_scales(const int TYPE, const uint8_t *rec, int half, _
                                  __m256 *mw) {
     for (int h = 0; h < 2; h++) {
         if (TYPE == T_Q6_K) {
-            d[h] = _mm256_loadu_ps((const float *)rec + 16 * half + 8 * h);
+            const __m128i sc = _mm_loadl_epi64((const __m128i *)(rec + 32 + 16 * half + 8 * h));
+            d[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)),
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16 * h))));
             mw[h] = _mm256_setzero_ps();
             continue;
         }
@@ -982,21 +1020,23 @@ ALWAYS_INLINE void packed_scales(const int TYPE, const uint8_t *rec, int half, _
     }
 }
 
-/* the int32 sums s[r] (columns 0..7, 8..15) over a record's pairs [g0, g1) for MR rows */
+/* the int32 sums s[r] (columns 0..7, 8..15) over a record's pairs [g0, g1) (g0, g1 even)
+   for MR rows */
 ALWAYS_INLINE void packed_sums(const int TYPE, const int MR, const uint8_t *rec, int g0, int g1,
                                const int16_t **x, int64_t xoff, __m256i (*s)[2]) {
     for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1
-    for (int g = g0; g < g1; g++) {
-        __m256i w0, w1;
-        packed_pair(TYPE, rec, g, &w0, &w1);
-        for (int r = 0; r < MR; r++) {
-            int32_t pair;
-            memcpy(&pair, x[r] + xoff + 2 * g, 4);
-            const __m256i xb = _mm256_set1_epi32(pair);
-            s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xb));
-            s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xb));
-        }
+    for (int g = g0; g < g1; g += 2) {
+        __m256i w[2][2];
+        packed_pairs(TYPE, rec, g, w);
+        for (int p = 0; p < 2; p++)
+            for (int r = 0; r < MR; r++) {
+                int32_t pair;
+                memcpy(&pair, x[r] + xoff + 2 * (g + p), 4);
+                const __m256i xb = _mm256_set1_epi32(pair);
+                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w[p][0], xb));
+                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w[p][1], xb));
+            }
     }
 }
 
@@ -1160,7 +1200,7 @@ static void tile_group(TILE_GROUP_ARGS) {
 /* nblk records of one column group as tiles (tile_rows multiplies them) */
 ALWAYS_INLINE void decode_packed(const int TYPE, const uint8_t *rec, int nblk, tile_block *t) {
     for (int i = 0; i < nblk; i++, rec += packed_record(TYPE)) {
-        for (int g = 0; g < 16; g++) packed_pair(TYPE, rec, g, &t[i].w[g][0], &t[i].w[g][1]);
+        for (int g = 0; g < 16; g += 2) packed_pairs(TYPE, rec, g, &t[i].w[g]);
         __m256 d[2], mw[2], d_hi[2], unused[2];
         packed_scales(TYPE, rec, 0, d, mw);
         if (TYPE == T_Q6_K) packed_scales(TYPE, rec, 1, d_hi, unused);
@@ -1221,6 +1261,58 @@ static void columns_tiled(int type, int packed, const uint8_t *w, int64_t j0, in
     }
 }
 
+#if !defined(VTOK_ISA_AVX512)
+/* Q6_K records against m (4 .. PACKED_TILE_ROWS - 1) rows: its values take more vector ops to
+   decode than the other types' (packed_pairs), so each record half is decoded once into w for
+   all the rows (4 at a time by tile_pairs4, the rest one at a time: GCC's code for 2 or 3
+   rows at once is slower), not once per 4 rows; the sums and
+   the float math are packed_rows', so the results are bit-identical to it and to the tiles */
+static void q6k_rows(const uint8_t *rec, int64_t nb, int m, const int16_t *x16, int64_t k,
+                     const float *xed, float (*out)[TILE_COLS]) {
+    __m256i w[8][2] __attribute__((aligned(32)));
+    memset(out, 0, sizeof(float) * TILE_COLS * (size_t)m);
+    for (int64_t b = 0; b < nb; b++, rec += packed_record(T_Q6_K)) {
+        for (int half = 0; half < 2; half++) {
+            const int g0 = 8 * half;
+            for (int g = 0; g < 8; g += 2) packed_pairs(T_Q6_K, rec, g0 + g, &w[g]);
+            __m256 d[2], unused[2];
+            packed_scales(T_Q6_K, rec, half, d, unused);
+            for (int r0 = 0, mr; r0 < m; r0 += mr) {
+                mr = r0 + 4 <= m ? 4 : 1;
+                const int16_t *x[4];
+                for (int r = 0; r < mr; r++) x[r] = x16 + (r0 + r) * k + b * QK + 2 * g0;
+                __m256i sums[4][2];
+                for (int r = 0; r < mr; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+                if (mr == 4) {
+                    tile_pairs4(w[0], 8, x[0], x[1], x[2], x[3], sums);
+                } else {
+                    for (int g = 0; g < 8; g++)
+                        for (int r = 0; r < mr; r++) {
+                            int32_t pair;
+                            memcpy(&pair, x[r] + 2 * g, 4);
+                            const __m256i xb = _mm256_set1_epi32(pair);
+                            sums[r][0] = _mm256_add_epi32(sums[r][0],
+                                                          _mm256_madd_epi16(w[g][0], xb));
+                            sums[r][1] = _mm256_add_epi32(sums[r][1],
+                                                          _mm256_madd_epi16(w[g][1], xb));
+                        }
+                }
+                for (int r = 0; r < mr; r++) {
+                    const __m256 e = _mm256_broadcast_ss(xed + (r0 + r) * nb + b);
+                    float *o = out[r0 + r];
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][0]),
+                                                        _mm256_mul_ps(d[0], e),
+                                                        _mm256_loadu_ps(o)));
+                    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][1]),
+                                                            _mm256_mul_ps(d[1], e),
+                                                            _mm256_loadu_ps(o + 8)));
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* columns [j0, j1) (one group: j0 % 16 == 0, j1 - j0 <= 16) of a repacked weight, all rows;
    y, bias and residual as columns_madd */
 static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k,
@@ -1234,21 +1326,29 @@ static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, i
         columns_tiled(type, 1, w, j0, j1, k, x16, xed, xs, m, bias, residual, y, ldy, vnni);
         return;
     }
-    for (int64_t r0 = 0; r0 < m; r0 += 4) {
-        const int mr = m - r0 < 4 ? (int)(m - r0) : 4;
+    for (int64_t r0 = 0, mr; r0 < m; r0 += mr) {
+        mr = m - r0 < 4 ? m - r0 : 4;
         const int16_t *xp[4];
         const float *edp[4], *sxp[4];
-        float out[4][TILE_COLS];
-        for (int r = 0; r < mr; r++) {
-            xp[r] = x16 + (r0 + r) * k;
-            edp[r] = xed + (r0 + r) * nb;
-            sxp[r] = xs + (r0 + r) * nb;
-        }
-#if defined(VTOK_ISA_AVX512)
-        if (vnni) packed_group_vnni(type, mr, rec, nb, xp, edp, sxp, out);
-        else
+        float out[PACKED_TILE_ROWS][TILE_COLS];
+#if !defined(VTOK_ISA_AVX512)
+        if (type == T_Q6_K && m >= 4) {             /* every row at once */
+            mr = m;
+            q6k_rows(rec, nb, (int)m, x16, k, xed, out);
+        } else
 #endif
-            packed_group(type, mr, rec, nb, xp, edp, sxp, out);
+        {
+            for (int r = 0; r < mr; r++) {
+                xp[r] = x16 + (r0 + r) * k;
+                edp[r] = xed + (r0 + r) * nb;
+                sxp[r] = xs + (r0 + r) * nb;
+            }
+#if defined(VTOK_ISA_AVX512)
+            if (vnni) packed_group_vnni(type, (int)mr, rec, nb, xp, edp, sxp, out);
+            else
+#endif
+                packed_group(type, (int)mr, rec, nb, xp, edp, sxp, out);
+        }
         for (int r = 0; r < mr; r++)
             for (int64_t j = j0; j < j1; j++) {
                 float v = out[r][j - j0];
@@ -1437,17 +1537,15 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
             const uint8_t *blk = src + j * rb + block_offset(type, b);
             uint8_t *rec = dst + (j / 16 * nb + b) * packed_record(type);
             uint8_t v[QK];             /* the values as the record holds them */
-            if (type == T_Q6_K) {      /* sub-block s's values q6 - 32 and its halves' scales */
+            if (type == T_Q6_K) {      /* sub-block s's values q6, d and its halves' scales */
                 const int s = (int)(b & 7), h = s >> 2, g = s & 3;
                 const uint8_t *ql = blk + 64 * h + 32 * (g & 1), *qh = blk + 128 + 32 * h;
-                const float d = h2f(rd16(blk + 208));
-                const float dh[2] = {d * (float)(int8_t)blk[192 + 2 * s],
-                                     d * (float)(int8_t)blk[193 + 2 * s]};
-                memcpy(rec + 4 * c, &dh[0], 4);
-                memcpy(rec + 64 + 4 * c, &dh[1], 4);
+                memcpy(rec + 2 * c, blk + 208, 2);
+                rec[32 + c] = blk[192 + 2 * s];
+                rec[48 + c] = blk[193 + 2 * s];
                 for (int e = 0; e < QK; e++) {
                     const int lo = (ql[e] >> (4 * (g >> 1))) & 15, hi = (qh[e] >> (2 * g)) & 3;
-                    v[e] = (uint8_t)(int8_t)((lo | hi << 4) - 32);
+                    v[e] = (uint8_t)(lo | hi << 4);
                 }
             } else if (type == T_Q4_K) {   /* sub-block j's nibbles, d * sc_j and -dmin * m_j */
                 const int jj = (int)(b & 7);
@@ -1479,7 +1577,10 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
                 if (packed_bytes_per_value(type))
                     rec[qoff + 32 * g + 16 * half + i] = v[e];
                 else
-                    rec[qoff + 16 * g + i] |= (uint8_t)(v[e] << (4 * half));
+                    rec[qoff + 16 * g + i] |= (uint8_t)((v[e] & 15) << (4 * half));
+                if (type == T_Q6_K)
+                    rec[Q6_HIGH_BITS + 16 * (g >> 1) + i] |=
+                        (uint8_t)((v[e] >> 4) << (4 * (g & 1) + 2 * half));
             }
         }
     }

@@ -107,9 +107,9 @@ def packs(qtype: int, isa: Optional[str] = None) -> bool:
 
 def packed_row_bytes(qtype: int, k: int, isa: Optional[str] = None) -> int:
     """Bytes per column of a K-element weight in repack()'s layout: row_bytes(qtype, k), but for
-    the types whose records are wider than their blocks: the K-quants' float32 scales per 32
-    elements (Q4_K 24 bytes against 18; Q6_K 40 against 26.25, its values as int8) and Q5_0 in
-    Q8_0's records (34 against 22)."""
+    the types whose records are wider than their blocks: Q4_K's float32 scales and mins per 32
+    elements (24 bytes against 18), Q6_K's fp16 d per 32 elements, not 256 (28 against 26.25),
+    and Q5_0 in Q8_0's records (34 against 22)."""
     return library(isa or active_isa()).vq_packed_bytes(qtype, 16, k) // 16
 
 
