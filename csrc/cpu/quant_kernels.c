@@ -141,6 +141,7 @@ static inline int packed_bytes_per_value(int type) {
 }
 
 #define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
+#define PACKED_PREFETCH 4096    /* below that many rows, the bytes ahead that are prefetched */
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t h;
@@ -950,6 +951,15 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
    per-column scales are two vector loads: the block math is the tiles' (see above), for one
    row as for many, with no per-column scalar work. */
 
+/* Below PACKED_TILE_ROWS rows a thread's columns are one stream of records (a column group's
+   records back to back, its groups in order), and the product waits on it: the hardware
+   prefetchers stop at each 4 KiB page, so the record PACKED_PREFETCH bytes ahead of the one
+   being multiplied is prefetched too (past the weight's end too: a prefetch never faults) */
+static inline void prefetch_ahead(const uint8_t *rec, int64_t rbytes) {
+    for (int64_t l = 0; l < rbytes; l += 64)
+        _mm_prefetch((const char *)rec + PACKED_PREFETCH + l, _MM_HINT_T0);
+}
+
 /* pair g's values of columns 0..7 (*w0) and 8..15 (*w1) as int16 (not Q6_K: packed_pairs) */
 ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256i *w0,
                                __m256i *w1) {
@@ -1050,6 +1060,7 @@ ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec,
     __m256 f[4][2];
     for (int r = 0; r < MR; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, rec += rbytes) {
+        prefetch_ahead(rec, rbytes);
         for (int half = 0; half < (TYPE == T_Q6_K ? 2 : 1); half++) {
             const int g0 = TYPE == T_Q6_K ? 8 * half : 0, g1 = TYPE == T_Q6_K ? g0 + 8 : 16;
             __m256i s[4][2];
@@ -1272,6 +1283,7 @@ static void q6k_rows(const uint8_t *rec, int64_t nb, int m, const int16_t *x16, 
     __m256i w[8][2] __attribute__((aligned(32)));
     memset(out, 0, sizeof(float) * TILE_COLS * (size_t)m);
     for (int64_t b = 0; b < nb; b++, rec += packed_record(T_Q6_K)) {
+        prefetch_ahead(rec, packed_record(T_Q6_K));
         for (int half = 0; half < 2; half++) {
             const int g0 = 8 * half;
             for (int g = 0; g < 8; g += 2) packed_pairs(T_Q6_K, rec, g0 + g, &w[g]);
