@@ -104,7 +104,8 @@ def test_c_decode_layer_on_bf16_equals_the_per_op_path(bf16_models, monkeypatch)
     model = _model(llm)
     in_c = []
     c_stack = cpu_decode._c_stack
-    monkeypatch.setattr(cpu_decode, "_c_stack", lambda layers: in_c.append(1) or c_stack(layers))
+    monkeypatch.setattr(cpu_decode, "_c_stack",
+                        lambda layers, tensors: in_c.append(1) or c_stack(layers, tensors))
     bands = list(model.plan.decode_layer)
     prompts = random_prompts(3, seed=8, lo=10, hi=35)
     outs = {}

@@ -437,8 +437,8 @@ def test_auto_runs_the_blocks_below_the_crossover_and_float32_from_it(kquant_ggu
         layer.register_forward_pre_hook(hook)
     in_c = []                                  # steps run by the C decode layer: on blocks?
     c_stack = cpu_decode._c_stack
-    monkeypatch.setattr(cpu_decode, "_c_stack", lambda layers: in_c.append(
-        layers is model.quant_layers) or c_stack(layers))
+    monkeypatch.setattr(cpu_decode, "_c_stack", lambda layers, tensors: in_c.append(
+        layers is model.quant_layers) or c_stack(layers, tensors))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=5)
     prompts = [_prompt(30, seed=3)]
     llm.generate(prompts, params, use_tqdm=False)
@@ -525,7 +525,8 @@ def test_c_decode_layer_on_blocks_equals_the_per_op_path(kquant_gguf, monkeypatc
     from vllm.model_executor import cpu_decode
     in_c = []
     c_stack = cpu_decode._c_stack
-    monkeypatch.setattr(cpu_decode, "_c_stack", lambda layers: in_c.append(1) or c_stack(layers))
+    monkeypatch.setattr(cpu_decode, "_c_stack",
+                        lambda layers, tensors: in_c.append(1) or c_stack(layers, tensors))
     bands = list(model.plan.decode_layer)
     outs = {}
     for fused in (True, False):

@@ -115,6 +115,28 @@ def test_full_layers_alone_feed_the_statistics(family_models):
     assert llm.llm_engine.kv.eviction.num_layer_heads == 2 * cfg.num_attention_heads
 
 
+def test_hybrid_decode_in_c_runs_layers_of_one_kind_together(family_models, prompts, references,
+                                                             monkeypatch):
+    """A decode step in C on Gemma 3 (layers s s F s s F; KV tensors 0 1 0 0 1 1 as KVGroups lays
+    them out) is one decode_layers call per run of layers of one kind on consecutive tensors:
+    [0, 1], [2], [3, 4], [5]; the tokens stay transformers'."""
+    from vllm.kernels import cpu_kernels
+    llm = LLM(family_models["gemma3"], num_gpu_blocks_override=64)
+    model = llm.llm_engine.model_executor.driver_worker.model
+    if model.plan is None or any(layer.fused is None for layer in model.layers):
+        pytest.skip("no C decode layer on this machine")
+    assert model.kv_groups.layer_tensor == (0, 1, 0, 0, 1, 1)
+    model.plan.decode_layer = [True] * len(model.plan.decode_layer)
+    calls = []
+    decode_layers = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers", lambda layers, x, *a: calls.append(
+        (len(layers), a[3].shape[0])) or decode_layers(layers, x, *a))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == references["gemma3"][:1]
+    assert calls == [(2, 2), (1, 1), (2, 2), (1, 1)] * (MAX_NEW - 1)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_dummy_weights_from_config_alone(family_models, family):
     got, llm = _generate(family_models[family], random_prompts(2, seed=3), load_format="dummy",

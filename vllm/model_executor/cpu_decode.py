@@ -6,7 +6,8 @@
     bf16 weights beside the float32 layers, steps of fewer rows than `quant_below` on the
     blocks, the crossover timed once at load on this CPU; a side that wins no band is dropped;
   - the whole-stack C decode: a decode-only step in a band the plan gives it runs every layer
-    in one C call (cpu_kernels.decode_layers), where every layer has a C view (`fused`).
+    in C (cpu_kernels.decode_layers), where every layer has a C view (`fused`): one call for
+    the stack, or per run of layers of one kind on a hybrid model.
 
 The protocol a family implements (LlamaForCausalLM is the reference):
 
@@ -20,7 +21,7 @@ The protocol a family implements (LlamaForCausalLM is the reference):
 """
 import logging
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -160,25 +161,18 @@ class CpuDecodeModel(nn.Module):
 
     def decode_in_c(self, layers: nn.ModuleList, x, tables, kv_caches, tensors,
                     meta: AttentionMetadata) -> torch.Tensor:
-        """Every layer in C: one call for the stack where every layer reads one window and
-        rotary table, else one call per layer (each its own views, rotary and KV tensor);
-        -> the final norm's output. tables: rotary kind -> (cos, sin) of the step."""
+        """Every layer in C, one call per run of layers that read one window, KV group and
+        rotary table from consecutive KV tensors (_c_stack: the whole stack for a model of one
+        kind of layer); -> the final norm's output. tables: rotary kind -> (cos, sin) of the
+        step; tensors: each layer's KV tensor."""
         x = x.contiguous()
         prefetch = self.plan.prefetch_next(x.shape[0])
-        if _stackable(layers):
-            first = layers[0]
+        for stack, first, kv in _c_stack(layers, tensors):
             lm = meta.for_layer(first.window, first.scores, first.group)
-            scratch = self._scratch(x.shape[0], lm.decode_views)
-            cpu_kernels.decode_layers(_c_stack(layers), x, *tables[first.rope], lm.slot_mapping,
-                                      kv_caches, lm.decode_views, lm.decode_lens,
-                                      lm.decode_mass, scratch, prefetch)
-            return ops.rms_norm(x, self.norm, self.eps)
-        for i, layer in enumerate(layers):
-            lm = meta.for_layer(layer.window, layer.scores, layer.group)
-            cpu_kernels.decode_layer(layer.fused, x, *tables[layer.rope], lm.slot_mapping,
-                                     kv_caches[tensors[i]], lm.decode_views, lm.decode_lens,
-                                     lm.decode_mass, self._scratch(x.shape[0], lm.decode_views),
-                                     prefetch)
+            cpu_kernels.decode_layers(stack, x, *tables[first.rope], lm.slot_mapping,
+                                      kv_caches[kv], lm.decode_views, lm.decode_lens,
+                                      lm.decode_mass, self._scratch(x.shape[0], lm.decode_views),
+                                      prefetch)
         return ops.rms_norm(x, self.norm, self.eps)
 
     def _scratch(self, m: int, views: torch.Tensor) -> torch.Tensor:
@@ -187,16 +181,6 @@ class CpuDecodeModel(nn.Module):
         if self._decode_scratch.numel() < size:
             self._decode_scratch = torch.empty(size, dtype=torch.float32)
         return self._decode_scratch
-
-
-def _stackable(layers: nn.ModuleList) -> bool:
-    """Whether one C call can run these layers: all read one window, KV group and rotary
-    table, in tensors of their own (kept on the list, as _c_stack)."""
-    ok = layers.__dict__.get("stackable")
-    if ok is None:
-        ok = layers.stackable = len({(layer.window, layer.scores, layer.group, layer.rope)
-                                     for layer in layers}) == 1
-    return ok
 
 
 def _quant_linears(layers: nn.ModuleList, head: nn.Module) -> List[QuantLinear]:
@@ -210,13 +194,25 @@ def _seconds(call: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _c_stack(layers: nn.ModuleList):
-    """The layers' C views as one array for decode_layers, built on first use and kept on the
-    list (a model may hold two lists: float32 and blocks)."""
-    stack = layers.__dict__.get("c_stack")
-    if stack is None:
-        stack = layers.c_stack = cpu_kernels.layer_stack([layer.fused for layer in layers])
-    return stack
+def _c_stack(layers: nn.ModuleList, tensors: Sequence[int]):
+    """The layers' C views for decode_layers, as runs: consecutive layers with one window, KV
+    group and rotary table whose KV tensors are consecutive share a C array. Built on first use
+    and kept on the list (a model may hold two lists: float32 and blocks). Gemma 3's 18 layers
+    (tensors as KVGroups lays them out) are 10 runs: 0-2, 3-4, 5, 6, 7-9, 10, 11, 12-13, 14-16,
+    17. -> [(C array, the run's first layer, its slice of the KV tensors)]"""
+    runs = layers.__dict__.get("c_stack")
+    if runs is None:
+        kind = lambda layer: (layer.window, layer.scores, layer.group, layer.rope)  # noqa: E731
+        runs, start = [], 0
+        for i in range(1, len(layers) + 1):
+            if i < len(layers) and kind(layers[i]) == kind(layers[start]) and \
+                    tensors[i] == tensors[i - 1] + 1:
+                continue
+            runs.append((cpu_kernels.layer_stack([layer.fused for layer in layers[start:i]]),
+                         layers[start], slice(tensors[start], tensors[i - 1] + 1)))
+            start = i
+        layers.c_stack = runs
+    return runs
 
 
 def _timing_decode(m: int, context: int) -> AttentionMetadata:
