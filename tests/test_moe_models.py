@@ -4,6 +4,8 @@ biases and sinks randomized; gpt-oss with windows of 16 and prompts longer than 
 and batched, chunked, prefix-cached, preempted, at TP = 2, and under every eviction policy
 (Naive-Evict = vToken); the expert block against a float64 reference per C build and block
 type."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -245,6 +247,37 @@ def test_router_variants_match_transformers():
             _, want_w, want_ids = router(x)
         got_w, got_ids = FusedMoE(spec, w, "p", None).route(x)
         assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w.to(got_w.dtype))
+
+
+@pytest.mark.parametrize("routing, renorm", [("softmax_topk", True), ("softmax_topk", False),
+                                            ("topk_softmax", True)])
+def test_c_routing_groups_the_picks_as_torch_does(routing, renorm, monkeypatch):
+    """ops.moe_route's C kernel against its torch path (moe_topk, a stable sort by expert): the
+    same tokens and offsets, weights within 2 ulps (expf against torch's exp), for 1 to 40
+    tokens with some experts idle and one picked by every token; moe_combine's C kernel bit for
+    bit torch's index_add_. The worked example of vtok_moe_route's comment too."""
+    from vllm.kernels import cpu_kernels, ops
+    if not cpu_kernels.available():
+        pytest.skip("no C kernels here")
+    tokens, weights, offsets = cpu_kernels.moe_route(
+        torch.tensor([[0.0, math.log(3), math.log(2)]]), 2, "softmax_topk", True)
+    assert tokens.tolist() == [0, 0] and offsets.tolist() == [0, 0, 1, 2]
+    assert torch.allclose(weights, torch.tensor([0.6, 0.4]))
+    g = torch.Generator().manual_seed(5)
+    for t in (1, 2, 7, 40):
+        logits = torch.randn(t, 16, generator=g) * 3
+        logits[:, 3] += 20                                  # every token picks expert 3
+        logits[:, 5:7] -= 50                                # nobody picks 5 and 6
+        got = cpu_kernels.moe_route(logits, 4, routing, renorm)
+        with monkeypatch.context() as m:
+            m.setattr(ops, "cpu_rows", lambda x, width=16: False)
+            want = ops.moe_route(logits, 4, routing, renorm)
+            y = torch.randn(len(got[0]), 32, generator=g)
+            want_out = ops.moe_combine(y, want[1], want[0], t)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+        assert torch.allclose(got[1], want[1], rtol=2.5e-7, atol=0)
+        assert got[2][4] - got[2][3] == t and got[2][7] == got[2][5]     # 3 all, 5 and 6 none
+        assert torch.equal(cpu_kernels.moe_combine(y, want[1], want[0], t), want_out)
 
 
 def test_moe_spec_refuses_what_it_cannot_run():

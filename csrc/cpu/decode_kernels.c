@@ -14,6 +14,7 @@
      (neither)        generic: 16-byte vectors the compiler maps to SSE2, NEON or scalar code */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
 #include <immintrin.h>        /* F16C: the fp8 cache's widening (fp8_load) */
@@ -881,6 +882,86 @@ void vtok_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
       for (int64_t i = 0; i < N; i++)
         if (row[i] != row[i]) { idx = i; break; }
     out[m] = idx;
+  }
+}
+
+/* ---- mixture-of-experts routing and combine (vllm/model_executor/layers/fused_moe.py) -------- */
+
+#define MOE_MAX_TOP_K 64
+
+/* The routing of T tokens from their router logits [T, E] (router bias included): each token's
+   top_k experts and weights, then the picks grouped by expert, token order within an expert
+   (a stable counting sort, as FusedMoE's argsort):
+     mode 0 (softmax_topk)  p = softmax(logits) (exp(l - max) / sum), its top_k; renorm:
+                            each divided by their sum (in top-k order)
+     mode 1 (topk_softmax)  the top_k logits, softmax over them
+   The top k: descending, the lower expert first among equal logits. Outputs: tokens[P] and
+   weights[P] (P = T top_k) pick p's token and weight, offsets[E + 1] expert e's picks
+   offsets[e] .. offsets[e + 1]. Worked example, E 3, top_k 2, renorm, logits [[0, ln 3,
+   ln 2]] (p 1/6, 3/6, 2/6): picks experts 1 (0.6), 2 (0.4) -> tokens [0, 0], weights [0.6,
+   0.4], offsets [0, 0, 1, 2]. Returns 0, or -1 when top_k is not in 1 .. min(E, 64) or
+   there is no memory */
+int vtok_moe_route(const float *logits, int64_t T, int64_t E, int top_k, int mode, int renorm,
+                   int64_t *tokens, float *weights, int64_t *offsets) {
+  if (top_k < 1 || top_k > E || top_k > MOE_MAX_TOP_K) return -1;
+  for (int64_t e = 0; e <= E; e++) offsets[e] = 0;
+  if (T == 0) return 0;
+  const int64_t P = T * top_k;
+  int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)P);   /* pick q = t k + j */
+  float *w = (float *)malloc(sizeof(float) * (size_t)P);
+  int64_t *next = (int64_t *)malloc(sizeof(int64_t) * (size_t)E);
+  if (!ids || !w || !next) { free(ids); free(w); free(next); return -1; }
+  for (int64_t t = 0; t < T; t++) {
+    const float *l = logits + t * E;
+    int64_t *id = ids + t * top_k;
+    float *wt = w + t * top_k, sum = 0.0f;
+    for (int j = 0; j < top_k; j++) {        /* selection: k passes (k and E are small) */
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; e++) {
+        int taken = 0;
+        for (int i = 0; i < j; i++) taken |= id[i] == e;
+        if (!taken && (best < 0 || l[e] > l[best])) best = e;
+      }
+      id[j] = best;
+      offsets[best + 1]++;                    /* expert e's count, at e + 1 */
+    }
+    if (mode == 0) {
+      float mx = l[0], z = 0.0f;
+      for (int64_t e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+      for (int64_t e = 0; e < E; e++) z += expf(l[e] - mx);
+      for (int j = 0; j < top_k; j++) { wt[j] = expf(l[id[j]] - mx) / z; sum += wt[j]; }
+      if (renorm)
+        for (int j = 0; j < top_k; j++) wt[j] /= sum;
+    } else {
+      for (int j = 0; j < top_k; j++) { wt[j] = expf(l[id[j]] - l[id[0]]); sum += wt[j]; }
+      for (int j = 0; j < top_k; j++) wt[j] /= sum;
+    }
+  }
+  for (int64_t e = 0; e < E; e++) offsets[e + 1] += offsets[e];
+  memcpy(next, offsets, sizeof(int64_t) * (size_t)E);
+  for (int64_t q = 0; q < P; q++) {           /* in token order: stable within an expert */
+    const int64_t at = next[ids[q]]++;
+    tokens[at] = q / top_k;
+    weights[at] = w[q];
+  }
+  free(ids); free(w); free(next);
+  return 0;
+}
+
+/* out [T, N] = sum over picks p of y[p] * weights[p] added to row tokens[p], in p order (as
+   torch's out.zero_().index_add_(0, tokens, y * weights[:, None]): each product rounded, then
+   added; the attribute keeps GCC from fusing them) */
+__attribute__((optimize("fp-contract=off")))
+void vtok_moe_combine(const float *y, const float *weights, const int64_t *tokens, int64_t P,
+                      int64_t N, int64_t T, float *out) {
+  memset(out, 0, sizeof(float) * (size_t)(T * N));
+  for (int64_t p = 0; p < P; p++) {
+    float *o = out + tokens[p] * N;
+    const float *yp = y + p * N, w = weights[p];
+    for (int64_t i = 0; i < N; i++) {
+      const float v = yp[i] * w;
+      o[i] += v;
+    }
   }
 }
 

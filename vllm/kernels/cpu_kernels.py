@@ -158,6 +158,10 @@ def library(isa: str, source: Optional[Path] = None) -> Optional[ctypes.CDLL]:
     lib.vtok_fp8_to_float.restype = None
     lib.vtok_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.vtok_argmax_rows.restype = None
+    lib.vtok_moe_route.argtypes = [_ptr, _i64, _i64, _int, _int, _int, _ptr, _ptr, _ptr]
+    lib.vtok_moe_route.restype = _int
+    lib.vtok_moe_combine.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr]
+    lib.vtok_moe_combine.restype = None
     lib.vtok_rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     lib.vtok_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.vtok_gelu_tanh_mul.argtypes = [_ptr, _i64, _i64, _ptr]
@@ -289,6 +293,35 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _library().vtok_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
+MOE_ROUTINGS = ("softmax_topk", "topk_softmax")      # vtok_moe_route's modes 0 and 1
+
+
+def moe_route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool):
+    """Router logits [T, E] float32 -> (tokens int64 [T top_k], weights float32 [T top_k],
+    offsets int64 [E + 1]): the picks grouped by expert (vtok_moe_route)."""
+    logits = logits.contiguous()
+    t, e = logits.shape
+    tokens = torch.empty(t * top_k, dtype=torch.int64)
+    weights = torch.empty(t * top_k, dtype=torch.float32)
+    offsets = torch.empty(e + 1, dtype=torch.int64)
+    rc = _library().vtok_moe_route(logits.data_ptr(), t, e, top_k, MOE_ROUTINGS.index(routing),
+                                   int(renormalize), tokens.data_ptr(), weights.data_ptr(),
+                                   offsets.data_ptr())
+    assert rc == 0, f"vtok_moe_route: top_k {top_k} of {e} experts"
+    return tokens, weights, offsets
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor,
+                num_tokens: int) -> torch.Tensor:
+    """y [P, N] float32, the experts' outputs in pick order -> [num_tokens, N], row t the sum
+    of its picks' y * weight (vtok_moe_combine)."""
+    y = y.contiguous()
+    out = torch.empty(num_tokens, y.shape[1], dtype=torch.float32)
+    _library().vtok_moe_combine(y.data_ptr(), weights.data_ptr(), tokens.data_ptr(), y.shape[0],
+                                y.shape[1], num_tokens, out.data_ptr())
     return out
 
 

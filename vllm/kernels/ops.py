@@ -14,6 +14,8 @@
       batched          installed, else one padded torch SDPA call     engine runs spans one by one)
     argmax_rows        torch max                                    C kernel (float32), else
                                                                     torch max
+    moe_route,         torch (topk, argsort, index_add_)            C kernels (float32), else
+      moe_combine                                                   torch
 
 An fp8 KV cache (--kv-cache-dtype fp8*, vllm/attention/kv_quant.py) takes the same paths:
 relocation copies its uint8 view (bytes, on every backend); on CUDA the Triton write_kv
@@ -320,6 +322,49 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         from vllm.kernels import cpu_kernels
         return cpu_kernels.argmax_rows(x)
     return x.max(dim=1).indices        # the first maximal index too, faster than argmax on CPU
+
+
+# ---- mixture-of-experts routing (vllm/model_executor/layers/fused_moe.py) --------------------------
+def moe_topk(logits: torch.Tensor, top_k: int, routing: str,
+             renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights float32 [T, top_k], expert ids [T, top_k]), as
+    transformers' routers compute them: "softmax_topk" p = softmax(logits), its top_k (divided by
+    their sum when renormalize); "topk_softmax" the top_k logits, softmax over them."""
+    logits = logits.float()
+    if routing == "topk_softmax":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    top, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, ids
+
+
+def moe_route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool):
+    """Router logits [T, E] -> the picks grouped by expert: (tokens int64 [T top_k], weights
+    float32 [T top_k], offsets int64 [E + 1]); expert e's picks are offsets[e] .. offsets[e + 1],
+    in token order. The C kernel routes as moe_topk does (its exp may differ from torch's in the
+    last bit of a weight), else moe_topk and a stable sort."""
+    if cpu_rows(logits):
+        from vllm.kernels import cpu_kernels
+        return cpu_kernels.moe_route(logits, top_k, routing, renormalize)
+    weights, ids = moe_topk(logits, top_k, routing, renormalize)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.zeros(logits.shape[1] + 1, dtype=torch.int64, device=logits.device)
+    torch.cumsum(torch.bincount(flat, minlength=logits.shape[1]), 0, out=offsets[1:])
+    return order // top_k, weights.reshape(-1)[order], offsets
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor,
+                num_tokens: int) -> torch.Tensor:
+    """y [P, N] (the experts' outputs for moe_route's picks) -> [num_tokens, N]: each token's
+    sum of y * weight over its picks, in pick order."""
+    if cpu_rows(y):
+        from vllm.kernels import cpu_kernels
+        return cpu_kernels.moe_combine(y, weights, tokens, num_tokens)
+    out = torch.zeros(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    return out.index_add_(0, tokens, y * weights[:, None].to(y.dtype))
 
 
 # ---- prefill attention --------------------------------------------------------------------------

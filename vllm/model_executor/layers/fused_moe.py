@@ -27,8 +27,9 @@ Canonical weight names (each family's canonical_weights renames its checkpoint t
 Experts kept in GGUF blocks (one block type per expert GEMM) run as two grouped calls a step
 (quant_kernels.gemm_grouped: every active expert's gate_up over its tokens, then every down):
 the activations quantized once, every expert's column chunks in one parallel loop, so a decode
-step's many experts of one or two rows each pay one fork, not one per expert. Other experts
-(float32, bf16, mixed block types) run one Linear pair per active expert.
+step's many experts of one or two rows each pay one fork, not one per expert; the routing and
+grouping (ops.moe_route) and the weighted sum (ops.moe_combine) are one C call each. Other
+experts (float32, bf16, mixed block types) run one Linear pair per active expert.
 
 Tensor parallelism splits every expert's intermediate dimension (TPShards): each rank holds
 I/N of every expert's gate/up rows and down columns, computes the routing itself from the
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.kernels import quant_kernels
+from vllm.kernels import ops, quant_kernels
 from vllm.kernels.cpu_kernel_plan import KernelPlan
 from vllm.model_executor.layers.activation import act_mul
 from vllm.model_executor.layers.linear import Linear
@@ -118,16 +119,13 @@ class FusedMoE(nn.Module):
         """The GEMM modules forward calls one by one (none where the experts run grouped)."""
         return [] if self.grouped else list(self.gate_up) + list(self.down)
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.router, self.router_bias)
+
     def route(self, x: torch.Tensor):
         """x [T, H] -> (weights [T, top_k] in x's dtype, expert ids [T, top_k])."""
         s = self.spec
-        logits = F.linear(x.float(), self.router, self.router_bias)
-        if s.routing == "topk_softmax":
-            top, ids = torch.topk(logits, s.top_k, dim=-1)
-            return torch.softmax(top, dim=-1).to(x.dtype), ids
-        top, ids = torch.topk(torch.softmax(logits, dim=-1), s.top_k, dim=-1)
-        if s.renormalize:
-            top = top / top.sum(dim=-1, keepdim=True)
+        top, ids = ops.moe_topk(self.router_logits(x), s.top_k, s.routing, s.renormalize)
         return top.to(x.dtype), ids
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -141,23 +139,22 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's sum over each token's experts [T, H]."""
-        weights, ids = self.route(x)
-        k = self.spec.top_k
-        flat = ids.view(-1)
-        order = torch.argsort(flat, stable=True)            # picks grouped by expert
-        counts = torch.bincount(flat, minlength=self.spec.num_experts)
-        tokens = order // k
-        picked = weights.view(-1)[order]
-        out = torch.zeros_like(x)
-        if self.grouped is not None:
-            offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
-            torch.cumsum(counts, 0, out=offsets[1:])
+        s = self.spec
+        if self.grouped is not None:        # float32 activations: routing and combine in C
+            tokens, picked, offsets = ops.moe_route(self.router_logits(x), s.top_k, s.routing,
+                                                    s.renormalize)
             gate_up, down = self.grouped
             h = self.activation(quant_kernels.gemm_grouped(x.index_select(0, tokens), gate_up,
                                                            offsets))
-            y = quant_kernels.gemm_grouped(h, down, offsets)
-            return out.index_add_(0, tokens, y * picked[:, None])
-        counts = counts.tolist()
+            return ops.moe_combine(quant_kernels.gemm_grouped(h, down, offsets), picked, tokens,
+                                   x.shape[0])
+        weights, ids = self.route(x)
+        flat = ids.view(-1)
+        order = torch.argsort(flat, stable=True)            # picks grouped by expert
+        counts = torch.bincount(flat, minlength=s.num_experts).tolist()
+        tokens = order // s.top_k
+        picked = weights.view(-1)[order]
+        out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
