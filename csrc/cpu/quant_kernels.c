@@ -141,7 +141,7 @@ static inline int packed_bytes_per_value(int type) {
 }
 
 #define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
-#define PACKED_PREFETCH 4096    /* below that many rows, the bytes ahead that are prefetched */
+#define PACKED_PREFETCH 4096    /* bytes ahead of its record that a row kernel prefetches */
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t h;
@@ -947,9 +947,9 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
    against the broadcast pair X[2g], X[2g + 1] (as tile_block.w[g][0]):
        [c0 e2g, c0 e2g+1, c1 e2g, c1 e2g+1, ..., c7 e2g+1]
    and likewise for columns 8..15; Q4 keeps the two as the low and high nibbles of q[g]'s 16
-   bytes, Q8_0 as q[g][0] and q[g][1]. A record decodes with 3 or 2 vector ops per pair and its
-   per-column scales are two vector loads: the block math is the tiles' (see above), for one
-   row as for many, with no per-column scalar work. */
+   bytes, Q8_0 as q[g][0] and q[g][1]. A record decodes with 3 or 2 vector ops per pair (Q6_K
+   about 10, packed_pairs) and its per-column scales with a few vector ops: the block math is
+   the tiles' (see above), for one row as for many, with no per-column scalar work. */
 
 /* Below PACKED_TILE_ROWS rows a thread's columns are one stream of records (a column group's
    records back to back, its groups in order), and the product waits on it: the hardware
@@ -1276,8 +1276,8 @@ static void columns_tiled(int type, int packed, const uint8_t *w, int64_t j0, in
 /* Q6_K records against m (4 .. PACKED_TILE_ROWS - 1) rows: its values take more vector ops to
    decode than the other types' (packed_pairs), so each record half is decoded once into w for
    all the rows (4 at a time by tile_pairs4, the rest one at a time: GCC's code for 2 or 3
-   rows at once is slower), not once per 4 rows; the sums and
-   the float math are packed_rows', so the results are bit-identical to it and to the tiles */
+   rows at once is slower), not once per 4 rows; the sums and the float math are packed_rows',
+   so the results are bit-identical to it and to the tiles */
 static void q6k_rows(const uint8_t *rec, int64_t nb, int m, const int16_t *x16, int64_t k,
                      const float *xed, float (*out)[TILE_COLS]) {
     __m256i w[8][2] __attribute__((aligned(32)));
