@@ -1274,52 +1274,28 @@ static void columns_tiled(int type, int packed, const uint8_t *w, int64_t j0, in
 
 #if !defined(VTOK_ISA_AVX512)
 /* Q6_K records against m (4 .. PACKED_TILE_ROWS - 1) rows: its values take more vector ops to
-   decode than the other types' (packed_pairs), so each record half is decoded once into w for
-   all the rows (4 at a time by tile_pairs4, the rest one at a time: GCC's code for 2 or 3
-   rows at once is slower), not once per 4 rows; the sums and the float math are packed_rows',
-   so the results are bit-identical to it and to the tiles */
+   decode than the other types' (packed_pairs), so each record is decoded once into a tile for
+   all the rows (decode_packed), which tile_rows multiplies 4 rows at a time and the rest one at
+   a time (GCC's code for 2 or 3 rows at once is slower), not once per 4 rows; the float math
+   is packed_rows', so the results are bit-identical to it and to the tiles */
 static void q6k_rows(const uint8_t *rec, int64_t nb, int m, const int16_t *x16, int64_t k,
-                     const float *xed, float (*out)[TILE_COLS]) {
-    __m256i w[8][2] __attribute__((aligned(32)));
+                     const float *xed, const float *xs, float (*out)[TILE_COLS]) {
+    tile_block t __attribute__((aligned(32)));
     memset(out, 0, sizeof(float) * TILE_COLS * (size_t)m);
     for (int64_t b = 0; b < nb; b++, rec += packed_record(T_Q6_K)) {
         prefetch_ahead(rec, packed_record(T_Q6_K));
-        for (int half = 0; half < 2; half++) {
-            const int g0 = 8 * half;
-            for (int g = 0; g < 8; g += 2) packed_pairs(T_Q6_K, rec, g0 + g, &w[g]);
-            __m256 d[2], unused[2];
-            packed_scales(T_Q6_K, rec, half, d, unused);
-            for (int r0 = 0, mr; r0 < m; r0 += mr) {
-                mr = r0 + 4 <= m ? 4 : 1;
-                const int16_t *x[4];
-                for (int r = 0; r < mr; r++) x[r] = x16 + (r0 + r) * k + b * QK + 2 * g0;
-                __m256i sums[4][2];
-                for (int r = 0; r < mr; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
-                if (mr == 4) {
-                    tile_pairs4(w[0], 8, x[0], x[1], x[2], x[3], sums);
-                } else {
-                    for (int g = 0; g < 8; g++)
-                        for (int r = 0; r < mr; r++) {
-                            int32_t pair;
-                            memcpy(&pair, x[r] + 2 * g, 4);
-                            const __m256i xb = _mm256_set1_epi32(pair);
-                            sums[r][0] = _mm256_add_epi32(sums[r][0],
-                                                          _mm256_madd_epi16(w[g][0], xb));
-                            sums[r][1] = _mm256_add_epi32(sums[r][1],
-                                                          _mm256_madd_epi16(w[g][1], xb));
-                        }
-                }
-                for (int r = 0; r < mr; r++) {
-                    const __m256 e = _mm256_broadcast_ss(xed + (r0 + r) * nb + b);
-                    float *o = out[r0 + r];
-                    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][0]),
-                                                        _mm256_mul_ps(d[0], e),
-                                                        _mm256_loadu_ps(o)));
-                    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][1]),
-                                                            _mm256_mul_ps(d[1], e),
-                                                            _mm256_loadu_ps(o + 8)));
-                }
+        decode_packed(T_Q6_K, rec, 1, &t);
+        for (int r0 = 0, mr; r0 < m; r0 += mr) {
+            mr = r0 + 4 <= m ? 4 : 1;
+            const int16_t *x[4];
+            const float *ed[4], *sx[4];
+            for (int r = 0; r < mr; r++) {
+                x[r] = x16 + (r0 + r) * k + b * QK;
+                ed[r] = xed + (r0 + r) * nb + b;
+                sx[r] = xs + (r0 + r) * nb + b;
             }
+            if (mr == 4) tile_rows(T_Q6_K, 4, &t, 1, x, ed, sx, out + r0);
+            else tile_rows(T_Q6_K, 1, &t, 1, x, ed, sx, out + r0);
         }
     }
 }
@@ -1346,7 +1322,7 @@ static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, i
 #if !defined(VTOK_ISA_AVX512)
         if (type == T_Q6_K && m >= 4) {             /* every row at once */
             mr = m;
-            q6k_rows(rec, nb, (int)m, x16, k, xed, out);
+            q6k_rows(rec, nb, (int)m, x16, k, xed, xs, out);
         } else
 #endif
         {
