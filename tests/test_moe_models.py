@@ -260,7 +260,7 @@ def test_c_routing_groups_the_picks_as_torch_does(routing, renorm, monkeypatch):
     if not cpu_kernels.available():
         pytest.skip("no C kernels here")
     tokens, weights, offsets = cpu_kernels.moe_route(
-        torch.tensor([[0.0, math.log(3), math.log(2)]]), 2, "softmax_topk", True)
+        torch.tensor([[0.0, math.log(3), math.log(2)]]), 2, 0, True)
     assert tokens.tolist() == [0, 0] and offsets.tolist() == [0, 0, 1, 2]
     assert torch.allclose(weights, torch.tensor([0.6, 0.4]))
     g = torch.Generator().manual_seed(5)
@@ -268,7 +268,7 @@ def test_c_routing_groups_the_picks_as_torch_does(routing, renorm, monkeypatch):
         logits = torch.randn(t, 16, generator=g) * 3
         logits[:, 3] += 20                                  # every token picks expert 3
         logits[:, 5:7] -= 50                                # nobody picks 5 and 6
-        got = cpu_kernels.moe_route(logits, 4, routing, renorm)
+        got = cpu_kernels.moe_route(logits, 4, ops.MOE_ROUTINGS.index(routing), renorm)
         with monkeypatch.context() as m:
             m.setattr(ops, "cpu_rows", lambda x, width=16: False)
             want = ops.moe_route(logits, 4, routing, renorm)

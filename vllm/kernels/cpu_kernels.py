@@ -296,18 +296,16 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-MOE_ROUTINGS = ("softmax_topk", "topk_softmax")      # vtok_moe_route's modes 0 and 1
-
-
-def moe_route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool):
+def moe_route(logits: torch.Tensor, top_k: int, mode: int, renormalize: bool):
     """Router logits [T, E] float32 -> (tokens int64 [T top_k], weights float32 [T top_k],
-    offsets int64 [E + 1]): the picks grouped by expert (vtok_moe_route)."""
+    offsets int64 [E + 1]): the picks grouped by expert (vtok_moe_route; mode: the routing's
+    index in ops.MOE_ROUTINGS)."""
     logits = logits.contiguous()
     t, e = logits.shape
     tokens = torch.empty(t * top_k, dtype=torch.int64)
     weights = torch.empty(t * top_k, dtype=torch.float32)
     offsets = torch.empty(e + 1, dtype=torch.int64)
-    rc = _library().vtok_moe_route(logits.data_ptr(), t, e, top_k, MOE_ROUTINGS.index(routing),
+    rc = _library().vtok_moe_route(logits.data_ptr(), t, e, top_k, mode,
                                    int(renormalize), tokens.data_ptr(), weights.data_ptr(),
                                    offsets.data_ptr())
     assert rc == 0, f"vtok_moe_route: top_k {top_k} of {e} experts"

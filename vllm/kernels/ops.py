@@ -325,6 +325,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- mixture-of-experts routing (vllm/model_executor/layers/fused_moe.py) --------------------------
+MOE_ROUTINGS = ("softmax_topk", "topk_softmax")     # the C kernel's modes 0 and 1
+
+
 def moe_topk(logits: torch.Tensor, top_k: int, routing: str,
              renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights float32 [T, top_k], expert ids [T, top_k]), as
@@ -347,13 +350,18 @@ def moe_route(logits: torch.Tensor, top_k: int, routing: str, renormalize: bool)
     last bit of a weight), else moe_topk and a stable sort."""
     if cpu_rows(logits):
         from vllm.kernels import cpu_kernels
-        return cpu_kernels.moe_route(logits, top_k, routing, renormalize)
-    weights, ids = moe_topk(logits, top_k, routing, renormalize)
+        return cpu_kernels.moe_route(logits, top_k, MOE_ROUTINGS.index(routing), renormalize)
+    return moe_group(*moe_topk(logits, top_k, routing, renormalize), logits.shape[1])
+
+
+def moe_group(weights: torch.Tensor, ids: torch.Tensor, num_experts: int):
+    """moe_topk's (weights, ids) [T, top_k] -> moe_route's (tokens, weights, offsets): one
+    stable sort of the picks by expert."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offsets = torch.zeros(logits.shape[1] + 1, dtype=torch.int64, device=logits.device)
-    torch.cumsum(torch.bincount(flat, minlength=logits.shape[1]), 0, out=offsets[1:])
-    return order // top_k, weights.reshape(-1)[order], offsets
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, out=offsets[1:])
+    return order // ids.shape[1], weights.reshape(-1)[order], offsets
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor,

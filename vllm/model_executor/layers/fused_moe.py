@@ -50,7 +50,7 @@ from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.quant_linear import QuantLinear, QuantWeight, block_linear, group
 from vllm.weight_arena import WeightArena
 
-ROUTINGS = ("softmax_topk", "topk_softmax")
+ROUTINGS = ops.MOE_ROUTINGS
 ACTIVATIONS = ("silu", "swiglu_clamped")
 
 
@@ -148,21 +148,16 @@ class FusedMoE(nn.Module):
                                                            offsets))
             return ops.moe_combine(quant_kernels.gemm_grouped(h, down, offsets), picked, tokens,
                                    x.shape[0])
-        weights, ids = self.route(x)
-        flat = ids.view(-1)
-        order = torch.argsort(flat, stable=True)            # picks grouped by expert
-        counts = torch.bincount(flat, minlength=s.num_experts).tolist()
-        tokens = order // s.top_k
-        picked = weights.view(-1)[order]
+        tokens, picked, offsets = ops.moe_group(*self.route(x), s.num_experts)
+        offsets = offsets.tolist()
         out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
+        for e in range(s.num_experts):
+            start, end = offsets[e], offsets[e + 1]
+            if start == end:
                 continue
-            rows = tokens[start:start + n]
+            rows = tokens[start:end]
             y = self.down[e](self.activation(self.gate_up[e](x.index_select(0, rows))))
-            out.index_add_(0, rows, y * picked[start:start + n, None])
-            start += n
+            out.index_add_(0, rows, y * picked[start:end, None])
         return out
 
 
