@@ -276,11 +276,13 @@ def test_repacked_gemm_matches_float64_block_math(isa, qtype):
 @pytest.mark.parametrize("qtype, record_bytes", [(Q4_K, 24), (Q6_K, 28), (Q5_0, 34)])
 def test_repacked_avx2_types_are_lossless(isa, qtype, record_bytes):
     """Q4_K, Q6_K and Q5_0 repacked (the avx2 build: Q4_K as nibbles with float32 scales and
-    mins per 32-element sub-block, Q6_K as nibbles and a plane of their top two bits with fp16 d
-    and int8 scales, Q5_0 as Q8_0 records of q5 - 16): the
-    float64 block math of gguf's own dequantization at every row count; the K-quants also bit
-    for bit the unrepacked blocks' product wherever those run as tiles (4+ rows), whose math
-    their records share (Q5_0's records drop its offset term, so only the sums agree)."""
+    mins per 32-element sub-block; Q6_K as column quads of its unsigned values, nibbles and a
+    plane of their top two bits, with fp16 d and int8 scales; Q5_0 as Q8_0 records of
+    q5 - 16): the float64 block math of gguf's own dequantization at every row count; each row
+    bit for bit the same at 1 row (Q6_K: u8 x s8 products), 2-7 (records decoded per row
+    group or to a tile per record) and 8+ (tiles); the K-quants also bit for bit the unrepacked
+    blocks' product wherever those run as tiles (4+ rows), whose math their records share
+    (Q5_0's records drop its offset term, so only the sums agree)."""
     if not quant_kernels.packs(qtype, isa):
         pytest.skip(f"the {isa} build multiplies {quant_kernels.TYPE_NAMES[qtype]} as blocks")
     rng = np.random.default_rng(qtype)
@@ -290,11 +292,15 @@ def test_repacked_avx2_types_are_lossless(isa, qtype, record_bytes):
         packed = quant_kernels.repack(torch.from_numpy(blocks), qtype, isa=isa)
         assert packed.shape == (48, k // 32 * record_bytes)
         assert packed.shape[1] == quant_kernels.packed_row_bytes(qtype, k, isa)
+        x_all = (rng.standard_normal((70, k)) * rng.uniform(0.1, 10, (70, 1))).astype(np.float32)
+        x_all[0, :BLOCK] = 0.0
+        y_all = quant_kernels.gemm(torch.from_numpy(x_all), packed, qtype | quant_kernels.PACKED,
+                                   n, k, isa=isa)
         for m in (1, 2, 3, 4, 5, 8, 9, 70):
-            x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
-            x[0, :BLOCK] = 0.0
+            x = x_all[:m]
             tx = torch.from_numpy(x)
             y = quant_kernels.gemm(tx, packed, qtype | quant_kernels.PACKED, n, k, isa=isa)
+            assert torch.equal(y, y_all[:m]), (k, m)
             ref, scale = reference_k(x, blocks, qtype)
             err = np.abs(y.double().numpy() - ref)
             assert (err <= 1e-5 * scale + 1e-6).all(), (isa, k, m, float((err / scale).max()))

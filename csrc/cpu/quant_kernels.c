@@ -119,6 +119,10 @@ static inline int packable(int type) {
    with q = q5 - 16, so its records are Q8_0's (and multiplied as Q8_0) */
 static inline int packed_kind(int type) { return type == T_Q5_0 ? T_Q8_0 : type; }
 
+/* 1 when a repacked `type`'s records hold column quads (Q6_K, the avx2 build: see "column
+   quads"), 0 when column pairs (Q4_0, Q4_1, Q8_0 and Q5_0, Q4_K) */
+static inline int quad_records(int type) { return type == T_Q6_K; }
+
 /* bytes of one repacked record (16 columns x one 32-element block, see "repacked at load") */
 static inline int64_t packed_record(int type) {
     type = packed_kind(type);
@@ -131,14 +135,9 @@ static inline int packed_quants(int type) {
     return type == T_Q4_K ? 128 : type == T_Q4_1 || type == T_Q6_K ? 64 : 32;
 }
 
-/* where a Q6_K record's plane of the values' top two bits starts (after the nibbles) */
-#define Q6_HIGH_BITS 320
-
-/* 1 when a record holds one byte per value (int8), 0 when two nibbles per byte (Q6_K's
-   nibbles are its values' low four bits) */
-static inline int packed_bytes_per_value(int type) {
-    return packed_kind(type) == T_Q8_0;
-}
+/* 1 when a record holds one byte per value (int8: Q8_0, Q5_0), 0 when nibbles (Q4_0, Q4_1,
+   Q4_K) or quads (Q6_K) */
+static inline int packed_bytes_per_value(int type) { return packed_kind(type) == T_Q8_0; }
 
 #define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
 #define PACKED_PREFETCH 4096    /* bytes ahead of its record that a row kernel prefetches */
@@ -931,25 +930,29 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
        Q4_1  fp16 d[16], fp16 m[16], uint8 q[16][16]      320 bytes (16 x 20)
        Q4_0  fp16 d[16], uint8 q[16][16]                  288 bytes (16 x 18)
        Q8_0  fp16 d[16], int8 q[16][2][16]                544 bytes (16 x 34)
-       Q6_K  fp16 d[16], int8 sc[2][16], uint8 q[16][16], uint8 qh[8][16]
-                                                           448 bytes (16 x 28)
        Q4_K  float d[16], float m[16], uint8 q[16][16]      384 bytes (16 x 24)
+       Q6_K  fp16 d[16], int8 sc[2][16], uint8 q[4][3][32]  448 bytes (16 x 28)
        Q5_0  as Q8_0, q = q5 - 16                          544 bytes (16 x 34)
    A K-quant record is one 32-element sub-block of its super-blocks, losslessly. Q4_K: the
    nibbles with the scales a tile_block holds (kq_scales, exact in float32), d * sc_j and the
-   min coefficient -dmin * m_j. Q6_K: its 6-bit values q6 as nibbles (q, the low four bits)
-   and a plane of their top two bits (qh), the super-block's d and the sub-block's two
-   16-element scales sc[0] (pairs 0..7) and sc[1] (pairs 8..15); the kernels read
-   d * sc (exact in float32, as kq_scales) and q6 - 32. qh[p] serves pairs 2p and 2p + 1:
-   byte i's bits 0-1 are the top bits of q[2p] byte i's low nibble, bits 2-3 of its high one,
-   bits 4-5 and 6-7 those of q[2p + 1]. 0.875 bytes a weight, against the blocks' 0.82.
-   The values of pair g (elements 2g, 2g + 1) are, for columns 0..7, the int16 lanes of one madd
-   against the broadcast pair X[2g], X[2g + 1] (as tile_block.w[g][0]):
+   min coefficient -dmin * m_j. Q6_K: the super-block's d and the sub-block's two 16-element
+   scales sc[0] (elements 0..15) and sc[1] (16..31), read as d * sc (exact in float32, as
+   kq_scales); its values q6 are column quads (below): 0.875 bytes a weight, the blocks 0.82.
+   Column pairs (Q4_0, Q4_1, Q8_0, Q4_K): the values of pair g (elements 2g, 2g + 1) are, for
+   columns 0..7, the int16 lanes of one madd against the broadcast pair X[2g], X[2g + 1] (as
+   tile_block.w[g][0]):
        [c0 e2g, c0 e2g+1, c1 e2g, c1 e2g+1, ..., c7 e2g+1]
    and likewise for columns 8..15; Q4 keeps the two as the low and high nibbles of q[g]'s 16
-   bytes, Q8_0 as q[g][0] and q[g][1]. A record decodes with 3 or 2 vector ops per pair (Q6_K
-   about 10, packed_pairs) and its per-column scales with a few vector ops: the block math is
-   the tiles' (see above), for one row as for many, with no per-column scalar work. */
+   bytes, Q8_0 as q[g][0] and q[g][1]. A record decodes with 3 or 2 vector ops per pair and its
+   per-column scales with a few vector ops: the block math is the tiles' (see above), for one
+   row as for many, with no per-column scalar work.
+   Column quads (Q6_K; avx2): the values unsigned (q6; the offset 32 comes off the integer
+   sums). Quad i (elements 4i .. 4i + 3) of columns 8h .. 8h + 7 is 32 values, value (c, e) at
+   byte 4c + e (c < 8, e < 4); quads 2p and 2p + 1 of both column halves are four such sets,
+   j = 2 (i % 2) + h, in the three 32-byte rows q[p]: set j < 3 in the low 6 bits of row j,
+   set 3's bits 0-1, 2-3 and 4-5 in the top two bits of rows 0, 1 and 2. A quad of 8 columns is
+   then one vector of unsigned bytes (one mask, or 8 ops for set 3), multiplied as bytes at one
+   row (quad_row) and decoded to int16 pairs from two rows on (quad_pairs). */
 
 /* Below PACKED_TILE_ROWS rows a thread's columns are one stream of records (a column group's
    records back to back, its groups in order), and the product waits on it: the hardware
@@ -960,7 +963,7 @@ static inline void prefetch_ahead(const uint8_t *rec, int64_t rbytes) {
         _mm_prefetch((const char *)rec + PACKED_PREFETCH + l, _MM_HINT_T0);
 }
 
-/* pair g's values of columns 0..7 (*w0) and 8..15 (*w1) as int16 (not Q6_K: packed_pairs) */
+/* pair g's values of columns 0..7 (*w0) and 8..15 (*w1) as int16 (pair records) */
 ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256i *w0,
                                __m256i *w1) {
     if (packed_bytes_per_value(TYPE)) {
@@ -975,32 +978,58 @@ ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256
     }
 }
 
-/* pairs g and g + 1 (g even): w[p][h] = pair g + p's values of columns 8h .. 8h + 7 as int16.
-   Q6_K decodes both pairs in 256-bit byte lanes (pair g low, g + 1 high): the nibbles of the
-   two pairs are one load, qh[g / 2] is broadcast and shifted so that each lane's top bits of
-   its low nibbles sit at bits 4-5 and of its high nibbles at bits 6-7; masks join them (a
-   32-bit shift's spill into the next byte lands in bits the masks drop) */
+#if !defined(VTOK_ISA_AVX512)
+/* every byte's bits from `from` on moved to `to`, then masked (16-bit shifts: the bits that
+   cross into a neighbouring byte land outside the mask for every shift used here) */
+ALWAYS_INLINE __m256i move_bits(__m256i v, const int from, const int to, const int mask) {
+    const __m256i m = _mm256_set1_epi8((char)mask);
+    if (to > from) return _mm256_and_si256(_mm256_slli_epi16(v, to - from), m);
+    if (to < from) return _mm256_and_si256(_mm256_srli_epi16(v, from - to), m);
+    return _mm256_and_si256(v, m);
+}
+
+/* quad i's values of columns 8h .. 8h + 7 as unsigned bytes (byte 4c + e: column 8h + c's
+   element 4i + e): one of q[i / 2]'s rows masked, or the fourth one's three 2-bit pieces */
+ALWAYS_INLINE __m256i quad_values(const uint8_t *rec, const int i, const int h) {
+    const uint8_t *q = rec + packed_quants(T_Q6_K) + 96 * (i >> 1);
+    const int j = 2 * (i & 1) + h;
+    if (j < 3)
+        return _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(q + 32 * j)),
+                                _mm256_set1_epi8(0x3f));
+    const __m256i a = _mm256_loadu_si256((const __m256i *)q);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32));
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(q + 64));
+    return _mm256_or_si256(_mm256_or_si256(move_bits(a, 6, 0, 0x03), move_bits(b, 6, 2, 0x0c)),
+                           move_bits(c, 6, 4, 0x30));
+}
+
+/* quad g / 2's values less 32 as int16 pairs (g even): w[p][h] = pair g + p of columns 8h ..
+   8h + 7. Within each 128-bit lane (4 columns) the quad's bytes are reordered to elements 0, 1
+   of each column, then 2, 3, so that widening the lane's low (high) 8 bytes gives pair g
+   (g + 1) of those 4 columns */
+ALWAYS_INLINE void quad_pairs(const uint8_t *rec, int g, __m256i (*w)[2]) {
+    const __m256i off = _mm256_set1_epi16(32), zero = _mm256_setzero_si256();
+    const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_shuffle_epi8(quad_values(rec, g / 2, h), order);
+        w[0][h] = _mm256_sub_epi16(_mm256_unpacklo_epi8(v, zero), off);
+        w[1][h] = _mm256_sub_epi16(_mm256_unpackhi_epi8(v, zero), off);
+    }
+}
+#endif
+
+/* pairs g and g + 1 (g even): w[p][h] = pair g + p's values of columns 8h .. 8h + 7 as int16
+   (Q6_K: q6 - 32) */
 ALWAYS_INLINE void packed_pairs(const int TYPE, const uint8_t *rec, int g, __m256i (*w)[2]) {
-    if (TYPE != T_Q6_K) {
-        packed_pair(TYPE, rec, g, &w[0][0], &w[0][1]);
-        packed_pair(TYPE, rec, g + 1, &w[1][0], &w[1][1]);
+#if !defined(VTOK_ISA_AVX512)
+    if (quad_records(TYPE)) {
+        quad_pairs(rec, g, w);
         return;
     }
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + packed_quants(TYPE) + 16 * g));
-    const __m256i hb = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128((const __m128i *)(rec + Q6_HIGH_BITS + 8 * g)));
-    const __m256i top = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4, 4, 4, 4, 0, 0, 0, 0));
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
-    const __m256i bias = _mm256_set1_epi8(32);
-    const __m256i q0 = _mm256_sub_epi8(
-        _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(top, m30)), bias);
-    const __m256i q1 = _mm256_sub_epi8(
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                        _mm256_and_si256(_mm256_srli_epi16(top, 2), m30)), bias);
-    w[0][0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q0));
-    w[0][1] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q1));
-    w[1][0] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q0, 1));
-    w[1][1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q1, 1));
+#endif
+    packed_pair(TYPE, rec, g, &w[0][0], &w[0][1]);
+    packed_pair(TYPE, rec, g + 1, &w[1][0], &w[1][1]);
 }
 
 /* a record's scales d and offset / min coefficients mw for columns 0..7 ([0]) and 8..15
@@ -1208,6 +1237,77 @@ static void tile_group(TILE_GROUP_ARGS) {
 #endif
 
 
+#if !defined(VTOK_ISA_AVX512)
+/* ---- column quads (Q6_K; avx2) at one row: see "repacked at load" -------------------------- */
+
+/* one 32-element block of a row's digits: sums[h] = the sum of X = 254 q + e over its
+   elements 16h .. 16h + 15, in every lane */
+static inline void digit_sums(const int8_t *q, const int8_t *e, __m256i *sums) {
+    const __m256i ones = _mm256_set1_epi8(1);
+    const __m256i vq = _mm256_loadu_si256((const __m256i *)q);
+    const __m256i ve = _mm256_loadu_si256((const __m256i *)e);
+    __m256i t = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(ones, vq), _mm256_set1_epi16(254)),
+        _mm256_madd_epi16(_mm256_maddubs_epi16(ones, ve), _mm256_set1_epi16(1)));
+    t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
+    t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0xB1));   /* lanes 0..3: elements 0..15 */
+    sums[0] = _mm256_permutevar8x32_epi32(t, _mm256_setzero_si256());
+    sums[1] = _mm256_permutevar8x32_epi32(t, _mm256_set1_epi32(4));
+}
+
+/* one row against one column group's nb quad records: xq, xe the row's digits and ed its
+   block scales, from the group's first block on; out the 16 columns' dot products. The values
+   times each digit broadcast 4 at a time (vpmaddubsw: no product saturates, 2 x 63 x 127 <
+   2^15), int16 lanes summed over 2 quads (still below 2^15), then joined into int32 column
+   lanes by madd with 254 (q) and 1 (e): per half (4 quads, its own scale) the integer
+   dot(q6, X), less 32 times the half's X sum, is the tiles' dot(q6 - 32, X), and the float math
+   is tile_rows', so the results are bit-identical to the tiles */
+static void quad_row(const uint8_t *rec, int64_t nb, const int8_t *xq, const int8_t *xe,
+                     const float *ed, float *out) {
+    const int64_t rbytes = packed_record(T_Q6_K);
+    const __m256i c254 = _mm256_set1_epi16(254), c1 = _mm256_set1_epi16(1);
+    __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++, rec += rbytes) {
+        prefetch_ahead(rec, rbytes);
+        __m256i sums[2];
+        digit_sums(xq + b * QK, xe + b * QK, sums);
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 2
+            for (int i0 = 4 * half; i0 < 4 * half + 4; i0 += 2) {
+                __m256i aq[2], ae[2];
+                aq[0] = aq[1] = ae[0] = ae[1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                for (int i = i0; i < i0 + 2; i++) {
+                    const int64_t at = b * QK + 4 * i;
+                    const __m256i qb = _mm256_set1_epi32((int)rd32((const uint8_t *)(xq + at)));
+                    const __m256i eb = _mm256_set1_epi32((int)rd32((const uint8_t *)(xe + at)));
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i u = quad_values(rec, i, h);
+                        aq[h] = _mm256_add_epi16(aq[h], _mm256_maddubs_epi16(u, qb));
+                        ae[h] = _mm256_add_epi16(ae[h], _mm256_maddubs_epi16(u, eb));
+                    }
+                }
+                for (int h = 0; h < 2; h++)
+                    s[h] = _mm256_add_epi32(s[h], _mm256_add_epi32(_mm256_madd_epi16(aq[h], c254),
+                                                                   _mm256_madd_epi16(ae[h], c1)));
+            }
+            __m256 d[2], mw[2];
+            packed_scales(T_Q6_K, rec, half, d, mw);
+            const __m256i corr = _mm256_slli_epi32(sums[half], 5);
+            const __m256 e = _mm256_broadcast_ss(ed + b);
+            for (int h = 0; h < 2; h++)
+                f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[h], corr)),
+                                       _mm256_mul_ps(d[h], e), f[h]);
+        }
+    }
+    _mm256_storeu_ps(out, f[0]);
+    _mm256_storeu_ps(out + 8, f[1]);
+}
+
+#endif
+
 /* nblk records of one column group as tiles (tile_rows multiplies them) */
 ALWAYS_INLINE void decode_packed(const int TYPE, const uint8_t *rec, int nblk, tile_block *t) {
     for (int i = 0; i < nblk; i++, rec += packed_record(TYPE)) {
@@ -1273,13 +1373,13 @@ static void columns_tiled(int type, int packed, const uint8_t *w, int64_t j0, in
 }
 
 #if !defined(VTOK_ISA_AVX512)
-/* Q6_K records against m (4 .. PACKED_TILE_ROWS - 1) rows: its values take more vector ops to
-   decode than the other types' (packed_pairs), so each record is decoded once into a tile for
-   all the rows (decode_packed), which tile_rows multiplies 4 rows at a time and the rest one at
-   a time (GCC's code for 2 or 3 rows at once is slower), not once per 4 rows; the float math
-   is packed_rows', so the results are bit-identical to it and to the tiles */
-static void q6k_rows(const uint8_t *rec, int64_t nb, int m, const int16_t *x16, int64_t k,
-                     const float *xed, const float *xs, float (*out)[TILE_COLS]) {
+/* quad records against m (4 .. PACKED_TILE_ROWS - 1) rows: each record decoded once into a
+   tile for all the rows (decode_packed), which tile_rows multiplies 4 rows at a time and the
+   rest one at a time (GCC's code for 2 or 3 rows at once is slower); the float math is
+   quad_row's, so the results are bit-identical to it and to the tiles */
+static void quad_tile_rows(const uint8_t *rec, int64_t nb, int m, const int16_t *x16,
+                           int64_t k, const float *xed, const float *xs,
+                           float (*out)[TILE_COLS]) {
     tile_block t __attribute__((aligned(32)));
     memset(out, 0, sizeof(float) * TILE_COLS * (size_t)m);
     for (int64_t b = 0; b < nb; b++, rec += packed_record(T_Q6_K)) {
@@ -1304,10 +1404,11 @@ static void q6k_rows(const uint8_t *rec, int64_t nb, int m, const int16_t *x16, 
 /* columns [j0, j1) (one group: j0 % 16 == 0, j1 - j0 <= 16) of a repacked weight, all rows;
    y, bias and residual as columns_madd */
 static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k,
-                           const int16_t *x16, const float *xed, const float *xs, int64_t m,
+                           const int8_t *xq, const int16_t *x16, const float *xed,
+                           const float *xs, int64_t m,
                            const float *bias, const float *residual, float *y, int64_t ldy,
                            int vnni) {
-    (void)vnni;
+    (void)vnni, (void)xq;
     const int64_t nb = k / QK;
     const uint8_t *rec = w + j0 / 16 * nb * packed_record(type);
     if (m >= PACKED_TILE_ROWS) {
@@ -1320,9 +1421,11 @@ static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, i
         const float *edp[4], *sxp[4];
         float out[PACKED_TILE_ROWS][TILE_COLS];
 #if !defined(VTOK_ISA_AVX512)
-        if (type == T_Q6_K && m >= 4) {             /* every row at once */
+        if (quad_records(type) && m == 1) {
+            quad_row(rec, nb, xq, xq + k, xed, out[0]);
+        } else if (quad_records(type) && m >= 4) {  /* every row at once */
             mr = m;
-            q6k_rows(rec, nb, (int)m, x16, k, xed, xs, out);
+            quad_tile_rows(rec, nb, (int)m, x16, k, xed, xs, out);
         } else
 #endif
         {
@@ -1562,13 +1665,20 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
             }
             for (int e = 0; e < QK; e++) {
                 const int g = e >> 1, i = lane + (e & 1);
-                if (packed_bytes_per_value(type))
+                if (quad_records(type)) {              /* quad e / 4, byte 4 (c % 8) + e % 4 */
+                    const int qi = e >> 2, j = 2 * (qi & 1) + half;
+                    uint8_t *row = rec + qoff + 96 * (qi >> 1) + 4 * (c & 7) + (e & 3);
+                    if (j < 3) {
+                        row[32 * j] |= v[e];
+                    } else {
+                        for (int piece = 0; piece < 3; piece++)
+                            row[32 * piece] |= (uint8_t)(((v[e] >> (2 * piece)) & 3) << 6);
+                    }
+                } else if (packed_bytes_per_value(type)) {
                     rec[qoff + 32 * g + 16 * half + i] = v[e];
-                else
+                } else {
                     rec[qoff + 16 * g + i] |= (uint8_t)((v[e] & 15) << (4 * half));
-                if (type == T_Q6_K)
-                    rec[Q6_HIGH_BITS + 16 * (g >> 1) + i] |=
-                        (uint8_t)((v[e] >> 4) << (4 * (g & 1) + 2 * half));
+                }
             }
         }
     }
@@ -1601,7 +1711,7 @@ static inline void gemm_columns(int typef, const uint8_t *w, int64_t j0, int64_t
     const int64_t nb = k / QK;
 #if defined(VTOK_ISA_AVX512) || defined(VTOK_ISA_AVX2)
     if (typef & VQ_PACKED) {
-        columns_packed(packed_kind(type), w, j0, j1, k, x16, xd + m * nb, xs, m, bias,
+        columns_packed(packed_kind(type), w, j0, j1, k, xq, x16, xd + m * nb, xs, m, bias,
                        residual, y, ldy, vnni);
         return;
     }
