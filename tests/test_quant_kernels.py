@@ -252,6 +252,9 @@ def test_gemm_rejects_bad_shapes_in_c():
 @quant_built
 @pytest.mark.parametrize("qtype", [Q8_0, Q4_0, Q4_1])
 def test_repacked_gemm_matches_float64_block_math(isa, qtype):
+    """Q8_0, Q4_0 and Q4_1 repacked (column pairs; the avx2 build's 4-bit types as column
+    quads, multiplied as bytes at one row): the float64 block math at every row count, and each
+    row's output bit for bit the same whatever the number of rows beside it."""
     if not quant_kernels.packs(qtype, isa):
         pytest.skip(f"the {isa} build multiplies GGUF blocks only")
     rng = np.random.default_rng(qtype)
@@ -262,11 +265,16 @@ def test_repacked_gemm_matches_float64_block_math(isa, qtype):
         blocks = quantize_weight(w, qtype)
         packed = quant_kernels.repack(torch.from_numpy(blocks), qtype, isa=isa)
         assert packed.shape == (48, blocks.shape[1])
-        for m in (1, 2, 3, 5, 8, 9, 70):   # records decoded per row (< 8) or to tiles
-            x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
-            x[0, :BLOCK] = 0.0
+        x_all = (rng.standard_normal((70, k)) * rng.uniform(0.1, 10, (70, 1))).astype(np.float32)
+        x_all[0, :BLOCK] = 0.0
+        y_all = quant_kernels.gemm(torch.from_numpy(x_all), packed,
+                                   qtype | quant_kernels.PACKED, n, k, isa=isa)
+        for m in (1, 2, 3, 5, 8, 9, 70):   # records multiplied per row (< 8) or as tiles
+            x = x_all[:m]
             y = quant_kernels.gemm(torch.from_numpy(x), packed, qtype | quant_kernels.PACKED,
-                                   n, k, isa=isa).double()
+                                   n, k, isa=isa)
+            assert torch.equal(y, y_all[:m]), (isa, k, m)   # each row's bits at any row count
+            y = y.double()
             ref, scale = reference(x, blocks, qtype)
             err = np.abs(y.numpy() - ref)
             assert (err <= 1e-5 * scale + 1e-6).all(), (isa, k, m, float((err / scale).max()))

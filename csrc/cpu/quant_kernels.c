@@ -119,9 +119,17 @@ static inline int packable(int type) {
    with q = q5 - 16, so its records are Q8_0's (and multiplied as Q8_0) */
 static inline int packed_kind(int type) { return type == T_Q5_0 ? T_Q8_0 : type; }
 
-/* 1 when a repacked `type`'s records hold column quads (Q6_K, the avx2 build: see "column
-   quads"), 0 when column pairs (Q4_0, Q4_1, Q8_0 and Q5_0, Q4_K) */
-static inline int quad_records(int type) { return type == T_Q6_K; }
+/* 1 when a repacked `type`'s records hold column quads (the avx2 build's Q4_0, Q4_1, Q4_K and
+   Q6_K: see "column quads"), 0 when column pairs (Q8_0 and Q5_0; the avx512 build's Q4_0 and
+   Q4_1) */
+static inline int quad_records(int type) {
+#if defined(VTOK_ISA_AVX512)
+    (void)type;
+    return 0;
+#else
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q6_K;
+#endif
+}
 
 /* bytes of one repacked record (16 columns x one 32-element block, see "repacked at load") */
 static inline int64_t packed_record(int type) {
@@ -136,7 +144,7 @@ static inline int packed_quants(int type) {
 }
 
 /* 1 when a record holds one byte per value (int8: Q8_0, Q5_0), 0 when nibbles (Q4_0, Q4_1,
-   Q4_K) or quads (Q6_K) */
+   Q4_K) or 6-bit values (Q6_K) */
 static inline int packed_bytes_per_value(int type) { return packed_kind(type) == T_Q8_0; }
 
 #define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
@@ -938,7 +946,8 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
    min coefficient -dmin * m_j. Q6_K: the super-block's d and the sub-block's two 16-element
    scales sc[0] (elements 0..15) and sc[1] (16..31), read as d * sc (exact in float32, as
    kq_scales); its values q6 are column quads (below): 0.875 bytes a weight, the blocks 0.82.
-   Column pairs (Q4_0, Q4_1, Q8_0, Q4_K): the values of pair g (elements 2g, 2g + 1) are, for
+   Column pairs (Q8_0; Q4_0 and Q4_1 in the avx512 build): the values of pair g (elements 2g,
+   2g + 1) are, for
    columns 0..7, the int16 lanes of one madd against the broadcast pair X[2g], X[2g + 1] (as
    tile_block.w[g][0]):
        [c0 e2g, c0 e2g+1, c1 e2g, c1 e2g+1, ..., c7 e2g+1]
@@ -946,13 +955,15 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
    bytes, Q8_0 as q[g][0] and q[g][1]. A record decodes with 3 or 2 vector ops per pair and its
    per-column scales with a few vector ops: the block math is the tiles' (see above), for one
    row as for many, with no per-column scalar work.
-   Column quads (Q6_K; avx2): the values unsigned (q6; the offset 32 comes off the integer
-   sums). Quad i (elements 4i .. 4i + 3) of columns 8h .. 8h + 7 is 32 values, value (c, e) at
-   byte 4c + e (c < 8, e < 4); quads 2p and 2p + 1 of both column halves are four such sets,
-   j = 2 (i % 2) + h, in the three 32-byte rows q[p]: set j < 3 in the low 6 bits of row j,
-   set 3's bits 0-1, 2-3 and 4-5 in the top two bits of rows 0, 1 and 2. A quad of 8 columns is
-   then one vector of unsigned bytes (one mask, or 8 ops for set 3), multiplied as bytes at one
-   row (quad_row) and decoded to int16 pairs from two rows on (quad_pairs). */
+   Column quads (avx2: Q4_0, Q4_1, Q4_K, Q6_K): the values unsigned (Q6_K's offset 32 comes
+   off the integer sums). Quad i (elements 4i .. 4i + 3) of columns 8h .. 8h + 7 is 32 values,
+   value (c, e) at byte 4c + e (c < 8, e < 4). The 4-bit types hold quad i in q[i]'s 32 bytes,
+   columns 0..7 in the low nibbles and 8..15 in the high ones. Q6_K holds quads 2p and 2p + 1
+   of both column halves, four sets j = 2 (i % 2) + h, in the three 32-byte rows q[p]: set
+   j < 3 in the low 6 bits of row j, set 3's bits 0-1, 2-3 and 4-5 in the top two bits of rows
+   0, 1 and 2. A quad of 8 columns is then one vector of unsigned bytes (one or two ops; 8 for
+   Q6_K's set 3), multiplied as bytes at one row (quad_row) and decoded to int16 pairs from two
+   rows on (quad_pairs). */
 
 /* Below PACKED_TILE_ROWS rows a thread's columns are one stream of records (a column group's
    records back to back, its groups in order), and the product waits on it: the hardware
@@ -989,8 +1000,12 @@ ALWAYS_INLINE __m256i move_bits(__m256i v, const int from, const int to, const i
 }
 
 /* quad i's values of columns 8h .. 8h + 7 as unsigned bytes (byte 4c + e: column 8h + c's
-   element 4i + e): one of q[i / 2]'s rows masked, or the fourth one's three 2-bit pieces */
-ALWAYS_INLINE __m256i quad_values(const uint8_t *rec, const int i, const int h) {
+   element 4i + e): the 4-bit types' q[i] nibbles, Q6_K's one of q[i / 2]'s rows masked, or
+   the fourth one's three 2-bit pieces */
+ALWAYS_INLINE __m256i quad_values(const int TYPE, const uint8_t *rec, const int i, const int h) {
+    if (TYPE != T_Q6_K)
+        return move_bits(_mm256_loadu_si256((const __m256i *)(rec + packed_quants(TYPE) + 32 * i)),
+                         4 * h, 0, 0x0f);
     const uint8_t *q = rec + packed_quants(T_Q6_K) + 96 * (i >> 1);
     const int j = 2 * (i & 1) + h;
     if (j < 3)
@@ -1003,18 +1018,22 @@ ALWAYS_INLINE __m256i quad_values(const uint8_t *rec, const int i, const int h) 
                            move_bits(c, 6, 4, 0x30));
 }
 
-/* quad g / 2's values less 32 as int16 pairs (g even): w[p][h] = pair g + p of columns 8h ..
-   8h + 7. Within each 128-bit lane (4 columns) the quad's bytes are reordered to elements 0, 1
-   of each column, then 2, 3, so that widening the lane's low (high) 8 bytes gives pair g
-   (g + 1) of those 4 columns */
-ALWAYS_INLINE void quad_pairs(const uint8_t *rec, int g, __m256i (*w)[2]) {
+/* quad g / 2's values as int16 pairs (g even; Q6_K's less 32): w[p][h] = pair g + p of
+   columns 8h .. 8h + 7. Within each 128-bit lane (4 columns) the quad's bytes are reordered to
+   elements 0, 1 of each column, then 2, 3, so that widening the lane's low (high) 8 bytes gives
+   pair g (g + 1) of those 4 columns */
+ALWAYS_INLINE void quad_pairs(const int TYPE, const uint8_t *rec, int g, __m256i (*w)[2]) {
     const __m256i off = _mm256_set1_epi16(32), zero = _mm256_setzero_si256();
     const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int h = 0; h < 2; h++) {
-        const __m256i v = _mm256_shuffle_epi8(quad_values(rec, g / 2, h), order);
-        w[0][h] = _mm256_sub_epi16(_mm256_unpacklo_epi8(v, zero), off);
-        w[1][h] = _mm256_sub_epi16(_mm256_unpackhi_epi8(v, zero), off);
+        const __m256i v = _mm256_shuffle_epi8(quad_values(TYPE, rec, g / 2, h), order);
+        w[0][h] = _mm256_unpacklo_epi8(v, zero);
+        w[1][h] = _mm256_unpackhi_epi8(v, zero);
+        if (TYPE == T_Q6_K) {
+            w[0][h] = _mm256_sub_epi16(w[0][h], off);
+            w[1][h] = _mm256_sub_epi16(w[1][h], off);
+        }
     }
 }
 #endif
@@ -1024,7 +1043,7 @@ ALWAYS_INLINE void quad_pairs(const uint8_t *rec, int g, __m256i (*w)[2]) {
 ALWAYS_INLINE void packed_pairs(const int TYPE, const uint8_t *rec, int g, __m256i (*w)[2]) {
 #if !defined(VTOK_ISA_AVX512)
     if (quad_records(TYPE)) {
-        quad_pairs(rec, g, w);
+        quad_pairs(TYPE, rec, g, w);
         return;
     }
 #endif
@@ -1255,36 +1274,38 @@ static inline void digit_sums(const int8_t *q, const int8_t *e, __m256i *sums) {
     sums[1] = _mm256_permutevar8x32_epi32(t, _mm256_set1_epi32(4));
 }
 
-/* one row against one column group's nb quad records: xq, xe the row's digits and ed its
-   block scales, from the group's first block on; out the 16 columns' dot products. The values
-   times each digit broadcast 4 at a time (vpmaddubsw: no product saturates, 2 x 63 x 127 <
-   2^15), int16 lanes summed over 2 quads (still below 2^15), then joined into int32 column
-   lanes by madd with 254 (q) and 1 (e): per half (4 quads, its own scale) the integer
-   dot(q6, X), less 32 times the half's X sum, is the tiles' dot(q6 - 32, X), and the float math
-   is tile_rows', so the results are bit-identical to the tiles */
-static void quad_row(const uint8_t *rec, int64_t nb, const int8_t *xq, const int8_t *xe,
-                     const float *ed, float *out) {
-    const int64_t rbytes = packed_record(T_Q6_K);
+/* one row against one column group's nb quad records: xq, xe the row's digits, ed and sx its
+   block scales and sums, from the group's first block on; out the 16 columns' dot products.
+   The values times each digit broadcast 4 at a time (vpmaddubsw: no product saturates, 2 x 63
+   x 127 < 2^15), int16 lanes summed over `run` quads (Q6_K 2, the 4-bit types 8: still below
+   2^15), then joined into int32 column lanes by madd with 254 (q) and 1 (e): per span (Q6_K:
+   a half's 4 quads with its own scale, less 32 times the half's X sum; else the block's 8)
+   the integer dot product is the tiles', and the float math is tile_rows', so the results are
+   bit-identical to the tiles */
+ALWAYS_INLINE void quad_row(const int TYPE, const uint8_t *rec, int64_t nb, const int8_t *xq,
+                            const int8_t *xe, const float *ed, const float *sx, float *out) {
+    const int span = TYPE == T_Q6_K ? 4 : 8, run = TYPE == T_Q6_K ? 2 : 8;
+    const int64_t rbytes = packed_record(TYPE);
     const __m256i c254 = _mm256_set1_epi16(254), c1 = _mm256_set1_epi16(1);
     __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++, rec += rbytes) {
         prefetch_ahead(rec, rbytes);
         __m256i sums[2];
-        digit_sums(xq + b * QK, xe + b * QK, sums);
+        if (TYPE == T_Q6_K) digit_sums(xq + b * QK, xe + b * QK, sums);
 #pragma GCC unroll 2
-        for (int half = 0; half < 2; half++) {
+        for (int s0 = 0; s0 < 8; s0 += span) {
             __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 2
-            for (int i0 = 4 * half; i0 < 4 * half + 4; i0 += 2) {
+#pragma GCC unroll 4
+            for (int i0 = s0; i0 < s0 + span; i0 += run) {
                 __m256i aq[2], ae[2];
                 aq[0] = aq[1] = ae[0] = ae[1] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-                for (int i = i0; i < i0 + 2; i++) {
+#pragma GCC unroll 8
+                for (int i = i0; i < i0 + run; i++) {
                     const int64_t at = b * QK + 4 * i;
                     const __m256i qb = _mm256_set1_epi32((int)rd32((const uint8_t *)(xq + at)));
                     const __m256i eb = _mm256_set1_epi32((int)rd32((const uint8_t *)(xe + at)));
                     for (int h = 0; h < 2; h++) {
-                        const __m256i u = quad_values(rec, i, h);
+                        const __m256i u = quad_values(TYPE, rec, i, h);
                         aq[h] = _mm256_add_epi16(aq[h], _mm256_maddubs_epi16(u, qb));
                         ae[h] = _mm256_add_epi16(ae[h], _mm256_maddubs_epi16(u, eb));
                     }
@@ -1294,16 +1315,32 @@ static void quad_row(const uint8_t *rec, int64_t nb, const int8_t *xq, const int
                                                                    _mm256_madd_epi16(ae[h], c1)));
             }
             __m256 d[2], mw[2];
-            packed_scales(T_Q6_K, rec, half, d, mw);
-            const __m256i corr = _mm256_slli_epi32(sums[half], 5);
+            packed_scales(TYPE, rec, s0 / 4, d, mw);
+            if (TYPE == T_Q6_K) {
+                const __m256i corr = _mm256_slli_epi32(sums[s0 / 4], 5);
+                s[0] = _mm256_sub_epi32(s[0], corr);
+                s[1] = _mm256_sub_epi32(s[1], corr);
+            }
             const __m256 e = _mm256_broadcast_ss(ed + b);
-            for (int h = 0; h < 2; h++)
-                f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[h], corr)),
-                                       _mm256_mul_ps(d[h], e), f[h]);
+            for (int h = 0; h < 2; h++) {
+                f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h]), _mm256_mul_ps(d[h], e), f[h]);
+                if (has_sum_term(TYPE))
+                    f[h] = _mm256_fmadd_ps(mw[h], _mm256_broadcast_ss(sx + b), f[h]);
+            }
         }
     }
     _mm256_storeu_ps(out, f[0]);
     _mm256_storeu_ps(out + 8, f[1]);
+}
+
+static void quad_row_any(int type, const uint8_t *rec, int64_t nb, const int8_t *xq,
+                         const int8_t *xe, const float *ed, const float *sx, float *out) {
+    switch (type) {
+    case T_Q4_0: quad_row(T_Q4_0, rec, nb, xq, xe, ed, sx, out); break;
+    case T_Q4_1: quad_row(T_Q4_1, rec, nb, xq, xe, ed, sx, out); break;
+    case T_Q4_K: quad_row(T_Q4_K, rec, nb, xq, xe, ed, sx, out); break;
+    case T_Q6_K: quad_row(T_Q6_K, rec, nb, xq, xe, ed, sx, out); break;
+    }
 }
 
 #endif
@@ -1373,7 +1410,7 @@ static void columns_tiled(int type, int packed, const uint8_t *w, int64_t j0, in
 }
 
 #if !defined(VTOK_ISA_AVX512)
-/* quad records against m (4 .. PACKED_TILE_ROWS - 1) rows: each record decoded once into a
+/* Q6_K records against m (4 .. PACKED_TILE_ROWS - 1) rows: each record decoded once into a
    tile for all the rows (decode_packed), which tile_rows multiplies 4 rows at a time and the
    rest one at a time (GCC's code for 2 or 3 rows at once is slower); the float math is
    quad_row's, so the results are bit-identical to it and to the tiles */
@@ -1422,8 +1459,8 @@ static void columns_packed(int type, const uint8_t *w, int64_t j0, int64_t j1, i
         float out[PACKED_TILE_ROWS][TILE_COLS];
 #if !defined(VTOK_ISA_AVX512)
         if (quad_records(type) && m == 1) {
-            quad_row(rec, nb, xq, xq + k, xed, out[0]);
-        } else if (quad_records(type) && m >= 4) {  /* every row at once */
+            quad_row_any(type, rec, nb, xq, xq + k, xed, xs, out[0]);
+        } else if (type == T_Q6_K && m >= 4) {      /* every row at once */
             mr = m;
             quad_tile_rows(rec, nb, (int)m, x16, k, xed, xs, out);
         } else
@@ -1665,7 +1702,10 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
             }
             for (int e = 0; e < QK; e++) {
                 const int g = e >> 1, i = lane + (e & 1);
-                if (quad_records(type)) {              /* quad e / 4, byte 4 (c % 8) + e % 4 */
+                if (quad_records(type) && type != T_Q6_K) {      /* quad e / 4 */
+                    rec[qoff + 32 * (e >> 2) + 4 * (c & 7) + (e & 3)] |=
+                        (uint8_t)((v[e] & 15) << (4 * half));
+                } else if (type == T_Q6_K) {    /* quad e / 4, byte 4 (c % 8) + e % 4 */
                     const int qi = e >> 2, j = 2 * (qi & 1) + half;
                     uint8_t *row = rec + qoff + 96 * (qi >> 1) + 4 * (c & 7) + (e & 3);
                     if (j < 3) {
