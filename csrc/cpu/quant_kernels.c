@@ -148,7 +148,6 @@ static inline int packed_quants(int type) {
 static inline int packed_bytes_per_value(int type) { return packed_kind(type) == T_Q8_0; }
 
 #define PACKED_TILE_ROWS 8      /* from this many rows on, records are decoded to tiles once */
-#define PACKED_PREFETCH 4096    /* bytes ahead of its record that a row kernel prefetches */
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t h;
@@ -967,11 +966,18 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
 
 /* Below PACKED_TILE_ROWS rows a thread's columns are one stream of records (a column group's
    records back to back, its groups in order), and the product waits on it: the hardware
-   prefetchers stop at each 4 KiB page, so the record PACKED_PREFETCH bytes ahead of the one
-   being multiplied is prefetched too (past the weight's end too: a prefetch never faults) */
-static inline void prefetch_ahead(const uint8_t *rec, int64_t rbytes) {
-    for (int64_t l = 0; l < rbytes; l += 64)
-        _mm_prefetch((const char *)rec + PACKED_PREFETCH + l, _MM_HINT_T0);
+   prefetchers stop at each 4 KiB page, so the record packed_prefetch(type) bytes ahead of the
+   one being multiplied is prefetched too (past the weight's end too: a prefetch never faults).
+   The distance is each type's own, the fastest of 4, 8 and 16 KiB on AVX2 (Q4_0 and Q4_1 lose
+   at 8 KiB what Q6_K, Q8_0 and Q4_K gain; Q6_K gains again at 16 KiB) */
+static inline int64_t packed_prefetch(int type) {
+    type = packed_kind(type);
+    return type == T_Q6_K ? 16384 : type == T_Q8_0 || type == T_Q4_K ? 8192 : 4096;
+}
+
+ALWAYS_INLINE void prefetch_ahead(const int TYPE, const uint8_t *rec) {
+    for (int64_t l = 0; l < packed_record(TYPE); l += 64)
+        _mm_prefetch((const char *)rec + packed_prefetch(TYPE) + l, _MM_HINT_T0);
 }
 
 /* pair g's values of columns 0..7 (*w0) and 8..15 (*w1) as int16 (pair records) */
@@ -1008,14 +1014,17 @@ ALWAYS_INLINE __m256i quad_values(const int TYPE, const uint8_t *rec, const int 
                          4 * h, 0, 0x0f);
     const uint8_t *q = rec + packed_quants(T_Q6_K) + 96 * (i >> 1);
     const int j = 2 * (i & 1) + h;
-    if (j < 3)
-        return _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(q + 32 * j)),
-                                _mm256_set1_epi8(0x3f));
-    const __m256i a = _mm256_loadu_si256((const __m256i *)q);
-    const __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32));
-    const __m256i c = _mm256_loadu_si256((const __m256i *)(q + 64));
-    return _mm256_or_si256(_mm256_or_si256(move_bits(a, 6, 0, 0x03), move_bits(b, 6, 2, 0x0c)),
-                           move_bits(c, 6, 4, 0x30));
+    const __m256i m6 = _mm256_set1_epi8(0x3f);
+    if (j < 3) return _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(q + 32 * j)), m6);
+    /* each row's top two bits alone (the row xor its low 6 bits), shifted down to bits 0-1,
+       2-3, 4-5: with nothing else left in a byte, the 16-bit shifts move no bit across bytes */
+    __m256i top[3];
+    for (int r = 0; r < 3; r++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * r));
+        top[r] = _mm256_xor_si256(v, _mm256_and_si256(v, m6));
+    }
+    return _mm256_or_si256(_mm256_or_si256(_mm256_srli_epi16(top[0], 6), _mm256_srli_epi16(top[1], 4)),
+                           _mm256_srli_epi16(top[2], 2));
 }
 
 /* quad g / 2's values as int16 pairs (g even; Q6_K's less 32): w[p][h] = pair g + p of
@@ -1108,7 +1117,7 @@ ALWAYS_INLINE void packed_rows(const int TYPE, const int MR, const uint8_t *rec,
     __m256 f[4][2];
     for (int r = 0; r < MR; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, rec += rbytes) {
-        prefetch_ahead(rec, rbytes);
+        prefetch_ahead(TYPE, rec);
         for (int half = 0; half < (TYPE == T_Q6_K ? 2 : 1); half++) {
             const int g0 = TYPE == T_Q6_K ? 8 * half : 0, g1 = TYPE == T_Q6_K ? g0 + 8 : 16;
             __m256i s[4][2];
@@ -1289,10 +1298,10 @@ ALWAYS_INLINE void quad_row(const int TYPE, const uint8_t *rec, int64_t nb, cons
     const __m256i c254 = _mm256_set1_epi16(254), c1 = _mm256_set1_epi16(1);
     __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++, rec += rbytes) {
-        prefetch_ahead(rec, rbytes);
+        prefetch_ahead(TYPE, rec);
         __m256i sums[2];
         if (TYPE == T_Q6_K) digit_sums(xq + b * QK, xe + b * QK, sums);
-#pragma GCC unroll 2
+#pragma GCC unroll 1
         for (int s0 = 0; s0 < 8; s0 += span) {
             __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 4
@@ -1420,7 +1429,7 @@ static void quad_tile_rows(const uint8_t *rec, int64_t nb, int m, const int16_t 
     tile_block t __attribute__((aligned(32)));
     memset(out, 0, sizeof(float) * TILE_COLS * (size_t)m);
     for (int64_t b = 0; b < nb; b++, rec += packed_record(T_Q6_K)) {
-        prefetch_ahead(rec, packed_record(T_Q6_K));
+        prefetch_ahead(T_Q6_K, rec);
         decode_packed(T_Q6_K, rec, 1, &t);
         for (int r0 = 0, mr; r0 < m; r0 += mr) {
             mr = r0 + 4 <= m ? 4 : 1;
