@@ -946,9 +946,8 @@ static inline __m512i sum_chains(const __m512i *c, int n) {
    scales sc[0] (elements 0..15) and sc[1] (16..31), read as d * sc (exact in float32, as
    kq_scales); its values q6 are column quads (below): 0.875 bytes a weight, the blocks 0.82.
    Column pairs (Q8_0; Q4_0 and Q4_1 in the avx512 build): the values of pair g (elements 2g,
-   2g + 1) are, for
-   columns 0..7, the int16 lanes of one madd against the broadcast pair X[2g], X[2g + 1] (as
-   tile_block.w[g][0]):
+   2g + 1) are, for columns 0..7, the int16 lanes of one madd against the broadcast pair X[2g],
+   X[2g + 1] (as tile_block.w[g][0]):
        [c0 e2g, c0 e2g+1, c1 e2g, c1 e2g+1, ..., c7 e2g+1]
    and likewise for columns 8..15; Q4 keeps the two as the low and high nibbles of q[g]'s 16
    bytes, Q8_0 as q[g][0] and q[g][1]. A record decodes with 3 or 2 vector ops per pair and its
@@ -996,22 +995,14 @@ ALWAYS_INLINE void packed_pair(const int TYPE, const uint8_t *rec, int g, __m256
 }
 
 #if !defined(VTOK_ISA_AVX512)
-/* every byte's bits from `from` on moved to `to`, then masked (16-bit shifts: the bits that
-   cross into a neighbouring byte land outside the mask for every shift used here) */
-ALWAYS_INLINE __m256i move_bits(__m256i v, const int from, const int to, const int mask) {
-    const __m256i m = _mm256_set1_epi8((char)mask);
-    if (to > from) return _mm256_and_si256(_mm256_slli_epi16(v, to - from), m);
-    if (to < from) return _mm256_and_si256(_mm256_srli_epi16(v, from - to), m);
-    return _mm256_and_si256(v, m);
-}
-
 /* quad i's values of columns 8h .. 8h + 7 as unsigned bytes (byte 4c + e: column 8h + c's
    element 4i + e): the 4-bit types' q[i] nibbles, Q6_K's one of q[i / 2]'s rows masked, or
    the fourth one's three 2-bit pieces */
 ALWAYS_INLINE __m256i quad_values(const int TYPE, const uint8_t *rec, const int i, const int h) {
-    if (TYPE != T_Q6_K)
-        return move_bits(_mm256_loadu_si256((const __m256i *)(rec + packed_quants(TYPE) + 32 * i)),
-                         4 * h, 0, 0x0f);
+    if (TYPE != T_Q6_K) {   /* the high nibbles shifted down (16-bit: the mask drops the spill) */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + packed_quants(TYPE) + 32 * i));
+        return _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0f));
+    }
     const uint8_t *q = rec + packed_quants(T_Q6_K) + 96 * (i >> 1);
     const int j = 2 * (i & 1) + h;
     const __m256i m6 = _mm256_set1_epi8(0x3f);
@@ -1023,8 +1014,9 @@ ALWAYS_INLINE __m256i quad_values(const int TYPE, const uint8_t *rec, const int 
         const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * r));
         top[r] = _mm256_xor_si256(v, _mm256_and_si256(v, m6));
     }
-    return _mm256_or_si256(_mm256_or_si256(_mm256_srli_epi16(top[0], 6), _mm256_srli_epi16(top[1], 4)),
-                           _mm256_srli_epi16(top[2], 2));
+    return _mm256_or_si256(
+        _mm256_or_si256(_mm256_srli_epi16(top[0], 6), _mm256_srli_epi16(top[1], 4)),
+        _mm256_srli_epi16(top[2], 2));
 }
 
 /* quad g / 2's values as int16 pairs (g even; Q6_K's less 32): w[p][h] = pair g + p of
@@ -1266,7 +1258,7 @@ static void tile_group(TILE_GROUP_ARGS) {
 
 
 #if !defined(VTOK_ISA_AVX512)
-/* ---- column quads (Q6_K; avx2) at one row: see "repacked at load" -------------------------- */
+/* ---- column quads (avx2) at one row: see "repacked at load" ------------------------------ */
 
 /* one 32-element block of a row's digits: sums[h] = the sum of X = 254 q + e over its
    elements 16h .. 16h + 15, in every lane */
@@ -1711,10 +1703,7 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
             }
             for (int e = 0; e < QK; e++) {
                 const int g = e >> 1, i = lane + (e & 1);
-                if (quad_records(type) && type != T_Q6_K) {      /* quad e / 4 */
-                    rec[qoff + 32 * (e >> 2) + 4 * (c & 7) + (e & 3)] |=
-                        (uint8_t)((v[e] & 15) << (4 * half));
-                } else if (type == T_Q6_K) {    /* quad e / 4, byte 4 (c % 8) + e % 4 */
+                if (type == T_Q6_K) {           /* quad e / 4, byte 4 (c % 8) + e % 4 */
                     const int qi = e >> 2, j = 2 * (qi & 1) + half;
                     uint8_t *row = rec + qoff + 96 * (qi >> 1) + 4 * (c & 7) + (e & 3);
                     if (j < 3) {
@@ -1723,6 +1712,9 @@ int vq_repack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) 
                         for (int piece = 0; piece < 3; piece++)
                             row[32 * piece] |= (uint8_t)(((v[e] >> (2 * piece)) & 3) << 6);
                     }
+                } else if (quad_records(type)) {                  /* quad e / 4 */
+                    rec[qoff + 32 * (e >> 2) + 4 * (c & 7) + (e & 3)] |=
+                        (uint8_t)((v[e] & 15) << (4 * half));
                 } else if (packed_bytes_per_value(type)) {
                     rec[qoff + 32 * g + 16 * half + i] = v[e];
                 } else {
