@@ -9,6 +9,13 @@ streaming /v1/completions requests (greedy, EOS ignored) with at most C in fligh
 p95 request latency at the reference point (C = --c-ref, or rate --rate-ref); a variant's
 selected point is its highest-throughput point whose p95 meets the SLA.
 
+The default scan is a CPU's counterpart of the paper's (H100, C_ref = 8): the reference
+concurrency sits where a larger batch still decodes more tokens per second, which on a CPU of
+a few cores holds over the first few requests only, so C_ref = 2 and the scan goes to 4
+(--quick) or 8; the KV pool holds about 5/8 of C_ref mean requests without eviction. A prompt
+token's prefill costs a CPU more than half a decode token's at batch 4, so outputs are 128
+tokens long (the step times behind these choices: benchmarks/HISTORY.md, 2026-12-07).
+
 Peer mode (--llamacpp DIR): our server (default model, no eviction) and llama.cpp's
 `llama-server` on the same GGUF file (--weights: f32, the default, is our float32 path against
 an F32 GGUF of the same values; q4_1 / q4_0 / q8_0 run that file's blocks on both) run side by
@@ -302,9 +309,10 @@ VARIANTS = ("Naive-Evict", "vToken", "Native")
 def variant_scans(args, model, work, points, blocks, max_seqs):
     """-> one {variant: rows} per --repeats. Every variant's server is started once and they run
     side by side, each idle while another is scanned; each first serves a warm-up round (as
-    many requests at once as the scan's largest C, discarded), then each repeat scans every
-    variant in turn, the order rotated from one repeat to the next, so a drift of the host moves
-    all alike. Prefix caching is off (the default): a repeat finds nothing of the last one's."""
+    many requests at once as the scan's largest C, discarded). Then each repeat runs the points
+    in order, every variant's point right after the others' (the variants' order rotated from
+    one point and one repeat to the next), so a drift of the host moves the variants alike at
+    every point. Prefix caching is off (the default): a repeat finds nothing of the last one's."""
     base = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max_seqs)]
     if model:
         base = ["--model", model] + base
@@ -325,12 +333,15 @@ def variant_scans(args, model, work, points, blocks, max_seqs):
             srv = servers[name]
             run_point(srv.url, srv.model, work, warm, concurrency=warm, seed=args.seed)
         for k in range(args.repeats):
-            scans = {}
-            for name in names[k % len(names):] + names[:k % len(names)]:
-                print(f"  {name}: scan {k + 1} of {args.repeats}", flush=True)
-                srv = servers[name]
-                scans[name] = scan(srv.url, srv.model, work, points, args, print)
-            runs.append({name: scans[name] for name in names})
+            print(f"  scan {k + 1} of {args.repeats}", flush=True)
+            scans = {name: [] for name in names}
+            for j, point in enumerate(points):
+                turn = (k + j) % len(names)
+                for name in names[turn:] + names[:turn]:
+                    srv = servers[name]
+                    scans[name] += scan(srv.url, srv.model, work, [point], args,
+                                        lambda line: print(f"  {name}: {line.strip()}"))
+            runs.append(scans)
     return runs
 
 
@@ -393,8 +404,9 @@ def parser():
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--blocks", type=int, default=None, help="KV block budget of every variant")
     p.add_argument("--levels", type=int, nargs="+", default=None)
-    p.add_argument("--c-ref", type=int, default=None)
-    p.add_argument("--per-client", type=int, default=2, help="requests per client per level")
+    p.add_argument("--c-ref", type=int, default=None,
+                   help="the SLA's reference concurrency (default 2)")
+    p.add_argument("--per-client", type=int, default=4, help="requests per client per level")
     p.add_argument("--request-rate", type=float, nargs="+", default=None,
                    help="open-loop points instead of --levels: Poisson arrivals at each rate "
                         "(requests/s)")
@@ -424,8 +436,8 @@ def main():
         return peer_main(args)
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)
-    levels = args.levels or ([2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16])
-    c_ref = args.c_ref or (4 if args.quick else 8)
+    levels = args.levels or ([1, 2, 4] if args.quick else [1, 2, 4, 8])
+    c_ref = args.c_ref or 2
     args.num_prompts = args.num_prompts or (16 if args.quick else 32)
     if args.request_rate:
         key, points = "rate", [{"rate": r} for r in args.request_rate]
@@ -436,7 +448,7 @@ def main():
         p.error(f"the SLA's reference {key}={ref} is not one of the scan's points")
     if not args.url and "Naive-Evict" not in args.variants:
         p.error("--variants: the SLA is Naive-Evict's p95, so Naive-Evict is always scanned")
-    plen, olen = (192, 64) if args.quick else (384, 128)
+    plen, olen = (192, 128) if args.quick else (384, 128)
     work = common.workload(args.dataset_name, 16, tok, plen, olen, args, fixed_output=True)
     if args.url:
         import httpx

@@ -52,8 +52,8 @@ SERVING_POLICIES="random h2o scissorhands"
 case $MODE in
   quick)
     RECLAMATION="--quick --policies h2o scissorhands random --num-prompts 4"
-    # the SLA rule's two variants (Native is in --full's scans), two requests a client a point
-    SERVING="--quick --levels 2 4 --c-ref 4 --per-client 2 --variants Naive-Evict vToken"
+    # the SLA rule's two variants (Native is in --full's scans); C 1, 2, 4 with C_ref 2
+    SERVING="--quick --variants Naive-Evict vToken"
     CAP_LLAMA="--simulate --quick $CAP_VARIANTS"
     CAP_QWEN="--simulate --shape qwen2.5-14b --quick $CAP_VARIANTS"
     # every variant but the Native control (its noise floor is in --full's)

@@ -7,7 +7,9 @@ for the shortfall (KVManager.relieve): if the copies under way will free enough 
 request waits a step for them (a running one is skipped this step, a waiting one stays first in
 line) instead of being preempted or refused. Otherwise the most recently admitted running
 sequence without a repacking plan (the last one if all have one) is preempted: its blocks and
-token table are freed and it is prefilled again later (prompt + generated).
+token table are freed and it is prefilled again later (prompt + generated): beside running
+requests, once its whole prefill fits where its blocks only grow as it prefills (no vToken
+repacking), not on a first chunk that a later chunk's shortfall would preempt again.
 
 Under eviction a request's logical length can exceed the pool. Its re-prefill then runs in
 bounded chunks and evicts after each (KVManager.chunk_bound); a request that cannot grow
@@ -151,7 +153,10 @@ class Scheduler:
             if n < remaining and not self.config.enable_chunked_prefill \
                     and kv.chunk_bound(seq) is None:
                 break
-            shortfall = kv.allocate_shortfall(seq, hits, n)
+            # beside running requests, a preempted one whose blocks only grow is admitted once
+            # all of its prefill fits (KVManager.admission_tokens); alone, on its first chunk
+            need = kv.admission_tokens(seq, remaining, n) if self.running else n
+            shortfall = kv.allocate_shortfall(seq, hits, need)
             if shortfall:
                 if not self.running and not out.scheduled:
                     self._exhausted(self.waiting[0], out)   # the whole pool is not enough
