@@ -148,13 +148,13 @@ class KVManager:
 
     def admission_tokens(self, seq: Sequence, remaining: int, chunk: int) -> int:
         """Prefill tokens a waiting request must find blocks for to be admitted beside running
-        ones: the chunk, except for a request that was preempted and whose blocks only grow as
-        it prefills (nothing repacks its evictions, no sliding-window group frees blocks behind
-        it): that one waits until its whole remaining prefill fits. Admitted again on a chunk,
-        it would be the first one preempted when a later chunk finds the pool short, and
-        prefilled again from the start, over and over while the others run."""
-        if not seq.num_preemptions or self.sliding is not None or (
-                self.reclaimer is not None and self.eviction.evicts(self._req(seq))):
+        ones: the chunk, except for a request that was preempted (and no sliding-window group
+        frees blocks behind its chunks): that one waits until its whole remaining prefill fits.
+        Admitted again on a chunk, it would be the first one preempted when a later chunk finds
+        the pool short (without repacking its blocks only grow; with it, the running requests
+        grow back into what their last evictions freed: Scissorhands halves a request's live
+        tokens at each drop), and prefilled again from the start while the others run."""
+        if not seq.num_preemptions or self.sliding is not None:
             return chunk
         return remaining
 

@@ -8,8 +8,8 @@ request waits a step for them (a running one is skipped this step, a waiting one
 line) instead of being preempted or refused. Otherwise the most recently admitted running
 sequence without a repacking plan (the last one if all have one) is preempted: its blocks and
 token table are freed and it is prefilled again later (prompt + generated): beside running
-requests, once its whole prefill fits where its blocks only grow as it prefills (no vToken
-repacking), not on a first chunk that a later chunk's shortfall would preempt again.
+requests, once its whole prefill fits, not on a first chunk that a later chunk's shortfall would
+preempt again.
 
 Under eviction a request's logical length can exceed the pool. Its re-prefill then runs in
 bounded chunks and evicts after each (KVManager.chunk_bound); a request that cannot grow
@@ -153,8 +153,8 @@ class Scheduler:
             if n < remaining and not self.config.enable_chunked_prefill \
                     and kv.chunk_bound(seq) is None:
                 break
-            # beside running requests, a preempted one whose blocks only grow is admitted once
-            # all of its prefill fits (KVManager.admission_tokens); alone, on its first chunk
+            # beside running requests, a preempted one is admitted once all of its prefill
+            # fits (KVManager.admission_tokens); alone, on its first chunk
             need = kv.admission_tokens(seq, remaining, n) if self.running else n
             shortfall = kv.allocate_shortfall(seq, hits, need)
             if shortfall:
