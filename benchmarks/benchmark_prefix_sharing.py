@@ -64,9 +64,11 @@ def build(tok, n, degree, prefix_len, suffix_len, out_len, seed):
 
 
 def run(model, prefixes, work, reclamation, warm, budget, args):
+    cached = sum(map(len, prefixes))       # the prefixes' blocks stay cached beside the work
     llm = LLM(model, kv_eviction_policy=args.policy, kv_budget_tokens=budget, kv_min_tokens=0,
               kv_reclamation=reclamation, kv_evict_scope=args.kv_evict_scope,
               enable_prefix_caching=True, kv_check_invariants=True, max_num_seqs=len(work),
+              num_gpu_blocks_override=common.roomy_blocks(work, extra_tokens=cached),
               seed=args.seed)
     counters = {"skipped": set(), "plans": 0, "shared_now": set()}
     instrument(llm, counters)

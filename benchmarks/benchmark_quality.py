@@ -37,7 +37,8 @@ def rouge_l(candidate: str, reference: str) -> float:
 
 def texts(model, work, args, **kw):
     """-> (each request's completion, the engine's KV statistics)."""
-    llm = LLM(model, max_num_seqs=len(work), seed=args.seed, **kw)
+    llm = LLM(model, max_num_seqs=len(work), seed=args.seed,
+              num_gpu_blocks_override=common.roomy_blocks(work), **kw)
     outs, _ = common.generate(llm, work)
     return [o.outputs[0] for o in outs], llm.get_kv_stats()
 

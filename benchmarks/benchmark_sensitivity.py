@@ -17,8 +17,8 @@ SWEEPS = {"block_size": [16, 32, 48], "kv_eviction_ratio": [0.3, 0.5, 0.7],
 
 def run(model, work, cfg, args):
     llm = LLM(model, kv_eviction_policy="h2o", kv_reclamation="vtoken", kv_min_tokens=0,
-              max_num_seqs=len(work),
-              seed=args.seed, **cfg)
+              max_num_seqs=len(work), seed=args.seed,
+              num_gpu_blocks_override=common.roomy_blocks(work, cfg["block_size"]), **cfg)
     m = common.measure(llm, work)
     blocks = common.block_summary(m["outs"], cfg["block_size"])["mean_blocks"]
     return {"retained_slots": blocks * cfg["block_size"], "tok_s": m["tok_s"],

@@ -7,7 +7,8 @@ streaming /v1/completions requests (greedy, EOS ignored) with at most C in fligh
 --request-rate R [R ...] the points are open-loop instead: Poisson arrivals at R requests/s
 (`vllm bench serve --request-rate R`), --num-prompts requests each. SLA = 1.05 x Naive-Evict's
 p95 request latency at the reference point (C = --c-ref, or rate --rate-ref); a variant's
-selected point is its highest-throughput point whose p95 meets the SLA.
+selected point is its highest-throughput point whose p95 meets the SLA. --policy A B ... scans
+each policy in turn on the same servers (every request names its own), one result per policy.
 
 The default scan is a CPU's counterpart of the paper's (H100, C_ref = 8): the reference
 concurrency sits where a larger batch still decodes more tokens per second, which on a CPU of
@@ -27,6 +28,7 @@ servers take turns wave by wave (pairs in ABBA order), each with the other one i
 the shared host moves both alike; paired_ratio is the median of the per-pair ratios.
 
     python benchmarks/benchmark_serving.py --quick
+    python benchmarks/benchmark_serving.py --quick --policy random h2o scissorhands
     python benchmarks/benchmark_serving.py --url http://127.0.0.1:8000   # scan a running server
     python benchmarks/benchmark_serving.py --quick --request-rate 0.5 1 2   # open-loop points
     python benchmarks/benchmark_serving.py --threads 2 --llamacpp DIR   # vs llama-server
@@ -52,15 +54,17 @@ from vllm.benchmarks.lib.endpoint_request_func import ASYNC_REQUEST_FUNCS
 from vllm.benchmarks.metrics import calculate_metrics
 
 
-def run_point(url, model, work, num_requests, concurrency=None, rate=math.inf, seed=0):
+def run_point(url, model, work, num_requests, concurrency=None, rate=math.inf, seed=0,
+              body=None):
     """num_requests requests cycling through work, through `vllm bench serve`'s client: at most
-    `concurrency` in flight (closed loop at rate inf) or Poisson arrivals at `rate` req/s."""
+    `concurrency` in flight (closed loop at rate inf) or Poisson arrivals at `rate` req/s.
+    body: request-body fields every request carries (e.g. its kv_eviction_policy)."""
     requests = [SampleRequest(p, len(p), n) for p, n in
                 (work[i % len(work)] for i in range(num_requests))]
     outputs, duration = asyncio.run(serve.benchmark(
         ASYNC_REQUEST_FUNCS["openai"], f"{url}/v1/completions", model, None, requests,
         request_rate=rate, max_concurrency=concurrency, ignore_eos=True,
-        extra_body={"temperature": 0}, seed=seed))
+        extra_body={"temperature": 0, **(body or {})}, seed=seed))
     failed = [o.error for o in outputs if not o.success]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed: {failed[0]}")
@@ -268,16 +272,17 @@ def peer_main(args):
         "client": "load_client.py (closed-loop waves)"}, fig)
 
 
-def scan(url, model, work, points, args, log):
+def scan(url, model, work, points, args, log, body=None):
     """One row per point: {"C": c} runs max(4, --per-client x c) requests closed-loop,
-    {"rate": r} runs --num-prompts requests at Poisson rate r."""
+    {"rate": r} runs --num-prompts requests at Poisson rate r; body: run_point's."""
     rows = []
     for point in points:
         if "C" in point:
             r = run_point(url, model, work, max(4, args.per_client * point["C"]),
-                          concurrency=point["C"], seed=args.seed)
+                          concurrency=point["C"], seed=args.seed, body=body)
         else:
-            r = run_point(url, model, work, args.num_prompts, rate=point["rate"], seed=args.seed)
+            r = run_point(url, model, work, args.num_prompts, rate=point["rate"], seed=args.seed,
+                          body=body)
         (key, value), = point.items()
         log(f"    {key}={value}: {r['tok_s']:.1f} tok/s, p95 {r['p95_s']:.2f}s")
         rows.append({**point, **r})
@@ -307,22 +312,29 @@ VARIANTS = ("Naive-Evict", "vToken", "Native")
 
 
 def variant_scans(args, model, work, points, blocks, max_seqs):
-    """-> one {variant: rows} per --repeats. Every variant's server is started once and they run
-    side by side, each idle while another is scanned; each first serves a warm-up round (as
-    many requests at once as the scan's largest C, discarded). Then each repeat runs the points
-    in order, every variant's point right after the others' (the variants' order rotated from
-    one point and one repeat to the next), so a drift of the host moves the variants alike at
-    every point. Prefix caching is off (the default): a repeat finds nothing of the last one's."""
+    """-> {policy: one {variant: rows} per --repeats}. Every variant's server is started once
+    and they run side by side, each idle while another is scanned; each first serves a warm-up
+    round per policy (as many requests at once as the scan's largest C, 16 tokens each,
+    discarded). The policies (--policy) are scanned one after another on the same servers, each
+    request naming its own (the kv_eviction_policy body field; Native's name none). Per policy,
+    each repeat runs the points in order, every variant's point right after the others' (the
+    variants' order rotated from one point and one repeat to the next), so a drift of the host
+    moves the variants alike at every point. Prefix caching is off (the default): a repeat finds
+    nothing of the last one's."""
     base = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max_seqs)]
     if model:
         base = ["--model", model] + base
-    evict = ["--kv-eviction-policy", args.policy, "--kv-eviction-ratio", str(args.ratio),
+    evict = ["--kv-eviction-policy", args.policy[0], "--kv-eviction-ratio", str(args.ratio),
              "--kv-min-tokens", "0"]
     flags = {"Naive-Evict": evict + ["--kv-reclamation", "none"],
              "vToken": evict + ["--kv-reclamation", "vtoken"],
              "Native": ["--kv-eviction-policy", "none"]}
     names = [name for name in VARIANTS if name in args.variants]
-    runs = []
+
+    def body(name, policy):
+        return {} if name == "Native" else {"kv_eviction_policy": policy}
+
+    out = {}
     with contextlib.ExitStack() as stack:
         servers = {}
         for name in names:
@@ -331,24 +343,29 @@ def variant_scans(args, model, work, points, blocks, max_seqs):
         warm = max(point.get("C", 4) for point in points)   # every batch size the scan reaches
         for name in names:
             srv = servers[name]
-            run_point(srv.url, srv.model, work, warm, concurrency=warm, seed=args.seed)
-        for k in range(args.repeats):
-            print(f"  scan {k + 1} of {args.repeats}", flush=True)
-            scans = {name: [] for name in names}
-            for j, point in enumerate(points):
-                turn = (k + j) % len(names)
-                for name in names[turn:] + names[:turn]:
-                    srv = servers[name]
-                    scans[name] += scan(srv.url, srv.model, work, [point], args,
-                                        lambda line: print(f"  {name}: {line.strip()}"))
-            runs.append(scans)
-    return runs
+            for policy in args.policy:
+                run_point(srv.url, srv.model, [(p, 16) for p, _ in work], warm,
+                          concurrency=warm, seed=args.seed, body=body(name, policy))
+        for policy in args.policy:
+            runs = out[policy] = []
+            for k in range(args.repeats):
+                print(f"  {policy}: scan {k + 1} of {args.repeats}", flush=True)
+                scans = {name: [] for name in names}
+                for j, point in enumerate(points):
+                    turn = (k + j) % len(names)
+                    for name in names[turn:] + names[:turn]:
+                        srv = servers[name]
+                        scans[name] += scan(srv.url, srv.model, work, [point], args,
+                                            lambda line: print(f"  {name}: {line.strip()}"),
+                                            body(name, policy))
+                runs.append(scans)
+    return out
 
 
-def report(args, runs, key, ref, blocks, label, plen, olen):
-    """Table, PNG and JSON (results/<--out>). runs: one set of variant scans per --repeats; each
-    run selects its own points against its own SLA, and vs_naive is the median over runs with
-    its spread (min, max)."""
+def report(args, policy, runs, key, ref, blocks, label, plen, olen):
+    """Table, PNG and JSON (results/<--out>_<policy>) of one policy. runs: one set of variant
+    scans per --repeats; each run selects its own points against its own SLA, and vs_naive is
+    the median over runs with its spread (min, max)."""
     selected = [select(scans, key, ref) for scans in runs]
     sla, rows, summary = selected[0]
     for s in summary:
@@ -361,7 +378,7 @@ def report(args, runs, key, ref, blocks, label, plen, olen):
     scans = runs[0]
     loop = "Closed-loop" if key == "C" else "Open-loop (Poisson)"
     work = {"longbench": "LongBench-style", "sharegpt": "ShareGPT"}[args.dataset_name]
-    title = (f"{loop} serving scan, {args.policy} ratio {args.ratio}, {blocks} KV blocks, "
+    title = (f"{loop} serving scan, {policy} ratio {args.ratio}, {blocks} KV blocks, "
              f"{work} prompts up to {plen} tokens + {olen} tokens; SLA = 1.05 x Naive-Evict "
              f"p95 at {key}={ref} = {sla:.2f}s (first run); {label}; {common.machine()}")
     text = common.table(rows, ["variant", key, "tok_s", "p50_s", "p95_s", "meets_sla"], title)
@@ -378,26 +395,29 @@ def report(args, runs, key, ref, blocks, label, plen, olen):
     ax.axvline(sla, color="gray", ls="--", lw=0.8, label="SLA")
     ax.set_xlabel("p95 request latency (s)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"{loop} scan, {args.policy} {args.ratio}, {work}, {blocks} blocks; {label}",
+    ax.set_title(f"{loop} scan, {policy} {args.ratio}, {work}, {blocks} blocks; {label}",
                  fontsize=8)
     ax.legend(fontsize=7)
-    name = args.out or "benchmark_serving" + ("" if key == "C" else "_rate")
-    common.save(name, {"args": vars(args), "model": label, "dataset": args.dataset_name,
-                       "sla_s": sla, "rows": rows, "summary": summary, "table": text,
+    name = (args.out or "benchmark_serving" + ("" if key == "C" else "_rate")) + f"_{policy}"
+    common.save(name, {"args": {**vars(args), "policy": policy}, "model": label,
+                       "dataset": args.dataset_name, "sla_s": sla, "rows": rows,
+                       "summary": summary, "table": text,
                        "runs": [{"sla_s": r[0], "summary": r[2]} for r in selected]}, fig)
 
 
 def parser():
     p = common.base_parser(__doc__)
     p.add_argument("--url", default=None, help="scan this running server only (no variants)")
-    p.add_argument("--policy", default="random")
+    p.add_argument("--policy", nargs="+", default=["random"],
+                   help="eviction policies, scanned one after another on the same servers (each "
+                        "request names its own); one result per policy")
     p.add_argument("--dataset-name", default="longbench", choices=["longbench", "sharegpt"],
                    help="the scan's workload: LongBench-style long prompts or ShareGPT chats")
     p.add_argument("--repeats", type=int, default=1,
                    help="scan every variant this many times (its server started once, the "
                         "variants taking turns); vs_naive is the median, with its spread")
     p.add_argument("--out", default=None,
-                   help="result name (default benchmark_serving[_rate])")
+                   help="result name, followed by _<policy> (default benchmark_serving[_rate])")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                    help="the servers scanned (the SLA rule needs Naive-Evict; Native shows the "
                         "frontier without eviction)")
@@ -461,8 +481,8 @@ def main():
     longest = math.ceil(max(len(prompt) + olen for prompt, _ in work) / 16)
     # Native fits ~5/8 of C_ref mean requests, and the longest request fits alone
     blocks = args.blocks or max(full * c_ref * 5 // 8, longest + 1)
-    runs = variant_scans(args, model, work, points, blocks, max(levels))
-    report(args, runs, key, ref, blocks, label, plen, olen)
+    for policy, runs in variant_scans(args, model, work, points, blocks, max(levels)).items():
+        report(args, policy, runs, key, ref, blocks, label, plen, olen)
 
 
 if __name__ == "__main__":

@@ -79,12 +79,12 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Dict[str, str]:
 
 
 def serving_runs(run_dir: str) -> Dict[tuple, List[Dict]]:
-    """serving_<workload>_<policy>_run<k>.json -> {(workload, policy): [scan, ...]}, a scan
+    """serving_<workload>_<policy>[_run<k>].json -> {(workload, policy): [scan, ...]}, a scan
     being {"sla_s", "summary"}. The filename names the workload and policy (the script's JSON
     may not); a JSON of several scans (benchmark_serving.py --repeats: "runs") gives each."""
     out: Dict[tuple, List[Dict]] = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "serving_*_run*.json"))):
-        m = re.match(r"serving_(\w+?)_(\w+)_run(\d+)\.json$", os.path.basename(path))
+    for path in sorted(glob.glob(os.path.join(run_dir, "serving_*.json"))):
+        m = re.match(r"serving_([a-z]+)_(\w+?)(_run\d+)?\.json$", os.path.basename(path))
         data = load(path)
         if m and data:
             scans = data.get("runs") or [data]
@@ -233,7 +233,7 @@ def fig8(page: Page, runs: Dict[tuple, List[Dict]], status: Dict[str, str]) -> N
              "same KV block budget, closed-loop clients; C_sel, tok/s and p95 columns are the "
              "first run's (Naive-Evict / vToken).", "")
     if not runs:
-        return page.missing("serving_*_run*.json", "serving", status)
+        return page.missing("serving_*.json", "serving", status)
     rows = fig8_rows(runs)
     page.add(*md_table(rows, ["workload", "policy", "runs", "gain", "spread",
                                          "per_run", "levels", "c_ref", "sla", "C_sel", "tok_s",

@@ -19,7 +19,7 @@
 # Each step prints its wall time against its budget (--quick: the estimate on a quiet 2-core
 # host; a step past twice its budget is stopped and marked timeout, the others go on). Results:
 # the scripts write benchmarks/results/<name>.json and .png as always; each step then copies its
-# own into benchmarks/results/paper/ (the serving scans as serving_<workload>_<policy>_run1),
+# own into benchmarks/results/paper/ (the serving scans as serving_<workload>_<policy>),
 # with steps.tsv (status, seconds and the host's load average as it started, per step), and
 # benchmarks/paper_results.py turns that folder into the page.
 set -uo pipefail
@@ -161,19 +161,12 @@ if wanted serving; then
     DATASETS=longbench DS_FLAG=
   fi
   for ds in $DATASETS; do
-    for policy in $SERVING_POLICIES; do
-      # --repeats: every variant's server started once, the scans repeated in turns
-      run_step serving "Fig. 8 SLA frontier ($ds, $policy)" $B_SERVING "" \
-        $PY benchmarks/benchmark_serving.py --policy $policy \
-        ${DS_FLAG:+--dataset-name $ds} --repeats "$RUNS" $SERVING $T
-      [ -n "$DRY" ] && continue
-      # its newest JSON and PNG, renamed by workload and policy (the format is its own)
-      f=$(ls -t $RESULTS/*serving*.json 2>/dev/null | grep -v llamacpp | head -1)
-      if [ -n "$f" ] && [ "$f" -nt "$RUN/.marker" ]; then
-        cp "$f" "$RUN/serving_${ds}_${policy}_run1.json"
-        [ -f "${f%.json}.png" ] && cp "${f%.json}.png" "$RUN/serving_${ds}_${policy}_run1.png"
-      fi
-    done
+    # one server per variant, started once for the workload (--repeats: scanned in turns); the
+    # policies scanned one after another on them, each request naming its own
+    names=$(for policy in $SERVING_POLICIES; do printf 'serving_%s_%s ' $ds $policy; done)
+    run_step serving "Fig. 8 SLA frontier ($ds)" $B_SERVING "$names" \
+      $PY benchmarks/benchmark_serving.py --policy $SERVING_POLICIES \
+      ${DS_FLAG:+--dataset-name $ds} --repeats "$RUNS" --out serving_$ds $SERVING $T
   done
 fi
 

@@ -299,10 +299,11 @@ def test_benchmark_serving_scans_through_bench_serve(server):
 
 
 def test_benchmark_serving_starts_each_server_once_and_rotates_the_scans(monkeypatch):
-    """--repeats N: every variant's server starts once and serves one warm-up round, then each
-    scan runs every variant's point before the next point, the variants' order rotated per
-    point and per repeat (each variant first once in three); the servers stop after the last
-    scan; --variants picks the servers."""
+    """--repeats N: every variant's server starts once and serves one warm-up round per policy,
+    then each scan runs every variant's point before the next point, the variants' order rotated
+    per point and per repeat (each variant first once in three); --policy A B: A's scans, then
+    B's on the same servers, each request naming its policy (Native's none); the servers stop
+    after the last scan; --variants picks the servers."""
     bench = _benchmark_serving()
     events, names = [], {}
 
@@ -321,25 +322,36 @@ def test_benchmark_serving_starts_each_server_once_and_rotates_the_scans(monkeyp
         def __exit__(self, *exc):
             events.append(("stop", self.name))
 
+    def policy(body):
+        return body.get("kv_eviction_policy", "none")
+
     monkeypatch.setattr(bench, "Server", FakeServer)
     monkeypatch.setattr(bench, "run_point", lambda url, model, work, n, concurrency=None,
-                        **kw: events.append(("warm", names[url], n, concurrency)))
-    monkeypatch.setattr(bench, "scan", lambda url, model, work, points, *a: events.append(
-        ("scan", names[url], points[0]["C"])) or [dict(points[0])])
-    args = type("Args", (), {"policy": "h2o", "ratio": 0.5, "threads": 1, "repeats": 3,
-                             "seed": 0, "variants": list(bench.VARIANTS)})
-    runs = bench.variant_scans(args, None, [], [{"C": 2}, {"C": 4}], 22, 4)
+                        body=None, **kw: events.append(
+                            ("warm", names[url], n, concurrency, policy(body))))
+    monkeypatch.setattr(bench, "scan", lambda url, model, work, points, args, log, body:
+                        events.append(("scan", names[url], points[0]["C"], policy(body)))
+                        or [dict(points[0])])
+    args = type("Args", (), {"policy": ["h2o", "random"], "ratio": 0.5, "threads": 1,
+                             "repeats": 3, "seed": 0, "variants": list(bench.VARIANTS)})
+    out = bench.variant_scans(args, None, [], [{"C": 2}, {"C": 4}], 22, 4)
     n, v, native = "Naive-Evict", "vToken", "Native"
     assert events[:3] == [("start", n), ("start", v), ("start", native)]
-    assert events[3:6] == [("warm", x, 4, 4) for x in (n, v, native)]
-    assert [e[1:] for e in events[6:24]] == [
-        (n, 2), (v, 2), (native, 2), (v, 4), (native, 4), (n, 4),            # repeat 1
-        (v, 2), (native, 2), (n, 2), (native, 4), (n, 4), (v, 4),            # repeat 2
-        (native, 2), (n, 2), (v, 2), (n, 4), (v, 4), (native, 4)]            # repeat 3
-    assert sorted(events[24:]) == sorted(("stop", x) for x in (n, v, native))
-    assert len(runs) == 3 and all(list(r) == [n, v, native] for r in runs)
-    assert all(r[x] == [{"C": 2}, {"C": 4}] for r in runs for x in r)     # rows in point order
-    args.variants, args.repeats, events[:] = [v, n], 1, []
-    runs = bench.variant_scans(args, None, [], [{"C": 2}], 22, 2)
+    assert events[3:9] == [("warm", x, 4, 4, p) for x, ps in
+                           ((n, ("h2o", "random")), (v, ("h2o", "random")),
+                            (native, ("none", "none"))) for p in ps]
+    rotation = [(n, 2), (v, 2), (native, 2), (v, 4), (native, 4), (n, 4),           # repeat 1
+                (v, 2), (native, 2), (n, 2), (native, 4), (n, 4), (v, 4),           # repeat 2
+                (native, 2), (n, 2), (v, 2), (n, 4), (v, 4), (native, 4)]           # repeat 3
+    for k, p in enumerate(("h2o", "random")):
+        assert [e[1:] for e in events[9 + 18 * k:27 + 18 * k]] == [
+            (x, c, "none" if x == native else p) for x, c in rotation]
+    assert sorted(events[45:]) == sorted(("stop", x) for x in (n, v, native))
+    assert list(out) == ["h2o", "random"]
+    for runs in out.values():
+        assert len(runs) == 3 and all(list(r) == [n, v, native] for r in runs)
+        assert all(r[x] == [{"C": 2}, {"C": 4}] for r in runs for x in r)  # rows in point order
+    args.variants, args.repeats, args.policy, events[:] = [v, n], 1, ["h2o"], []
+    runs = bench.variant_scans(args, None, [], [{"C": 2}], 22, 2)["h2o"]
     assert [e for e in events if e[0] == "start"] == [("start", n), ("start", v)]
     assert list(runs[0]) == [n, v]
