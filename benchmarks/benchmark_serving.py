@@ -456,8 +456,8 @@ def main():
         return peer_main(args)
     model, label = common.model_for(args)
     tok = common.tokenizer_for(model)
-    levels = args.levels or ([1, 2, 4] if args.quick else [1, 2, 4, 8])
-    c_ref = args.c_ref or 2
+    levels = args.levels = args.levels or ([1, 2, 4] if args.quick else [1, 2, 4, 8])
+    c_ref = args.c_ref = args.c_ref or 2        # the results' args name what ran
     args.num_prompts = args.num_prompts or (16 if args.quick else 32)
     if args.request_rate:
         key, points = "rate", [{"rate": r} for r in args.request_rate]

@@ -230,7 +230,8 @@ def fig8(page: Page, runs: Dict[tuple, List[Dict]], status: Dict[str, str]) -> N
              "Llama-3.1-8B +18.9% on average, Random +37.0% (ShareGPT) / +35.9% (LongBench), "
              "H2O +12.5% / +5.7%, Scissorhands +33.3% to +103.7% (both models). Here: "
              "`benchmark_serving.py` on the default model, one api_server per variant with the "
-             "same KV block budget, closed-loop clients; C_sel, tok/s and p95 columns are the "
+             "same KV block budget (per workload; the policies scanned in turn on them, each "
+             "request naming its own), closed-loop clients; C_sel, tok/s and p95 columns are the "
              "first run's (Naive-Evict / vToken).", "")
     if not runs:
         return page.missing("serving_*.json", "serving", status)

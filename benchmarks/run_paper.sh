@@ -6,7 +6,7 @@
 # executor (--load-format simulate) at the paper's shapes; figures that need a GPU say so on the
 # page, and run here only where nvidia-smi lists one (benchmarks/gpu_check.sh).
 #
-#   bash benchmarks/run_paper.sh --quick             # ~35 min on a quiet 2-core CPU
+#   bash benchmarks/run_paper.sh --quick             # ~25 min on a quiet 2-core CPU
 #   bash benchmarks/run_paper.sh --full              # (the default) the scripts' full settings
 #   bash benchmarks/run_paper.sh --smoke             # tiny random model, minutes: the plumbing
 #   bash benchmarks/run_paper.sh --quick --dry-run   # the steps, their budgets and commands
@@ -61,9 +61,10 @@ case $MODE in
     SENSITIVITY="--quick --concurrency 4"
     PREFIX="--quick"
     QUALITY="--quick --policies h2o scissorhands random --num-prompts 6"
-    # as measured on a quiet 2-core AMD EPYC (AVX2): ~2,100 s in all
-    B_RECL=150 B_SERVING=170 B_LLAMA=120 B_QWEN=30 B_OVERHEAD=370 B_SENS=200 B_PREFIX=190
-    B_QUALITY=90 ;;
+    # as measured on a quiet 2-core AMD EPYC (AVX2), ~10% over: ~1,400 s in all (serving: a
+    # workload's three policies)
+    B_RECL=90 B_SERVING=490 B_LLAMA=100 B_QWEN=30 B_OVERHEAD=170 B_SENS=90 B_PREFIX=110
+    B_QUALITY=50 ;;
   full)
     RECLAMATION="" SERVING="" CAP_LLAMA="--simulate" CAP_QWEN="--simulate --shape qwen2.5-14b"
     OVERHEAD="--concurrency 16 48" SENSITIVITY="" PREFIX="" QUALITY=""
