@@ -118,3 +118,20 @@ def test_a_roomy_pool_makes_no_pressure_plans(sim):
     vtoken = dict(extra, num_gpu_blocks_override=200, **cap.eviction("vtoken"))
     t = cap.trial(model, vtoken, work, 4, stop_early=False)
     assert t["passed"] and t["pressure_relocations"] == 0
+
+
+def test_roomy_blocks_hold_every_request_at_once():
+    """common.roomy_blocks, the pool of the benchmarks that count blocks (reclamation,
+    sensitivity, prefix sharing, quality, overhead): every request at its full length plus a
+    block each, at once, so all of them run together and nothing is preempted."""
+    from vllm import LLM
+    work = [(list(range(100, 100 + n)), out) for n, out in ((40, 24), (17, 9), (64, 32))]
+    assert common.roomy_blocks(work, 16) == (4 + 1) + (2 + 1) + (6 + 1) + 8
+    assert common.roomy_blocks(work, 32, extra_tokens=33) == (2 + 1) + (1 + 1) + (3 + 1) + 2 + 8
+    llm = LLM(common.tiny_model_dir(layers=2, hidden=64), max_num_seqs=len(work), seed=0,
+              num_gpu_blocks_override=common.roomy_blocks(work), kv_eviction_policy="none")
+    m = common.measure(llm, work)
+    assert [len(o.outputs[0].token_ids) for o in m["outs"]] == [n for _, n in work]
+    assert llm.llm_engine.get_kv_stats()["preemptions"] == 0
+    # all three resident together: at 8 tokens each (the shortest's last step) 3 + 2 + 5 blocks
+    assert m["pool_blocks_peak"] == 3 + 2 + 5
