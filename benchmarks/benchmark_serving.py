@@ -317,10 +317,10 @@ def variant_scans(args, model, work, points, blocks, max_seqs):
     round per policy (as many requests at once as the scan's largest C, 16 tokens each,
     discarded). The policies (--policy) are scanned one after another on the same servers, each
     request naming its own (the kv_eviction_policy body field; Native's requests name none).
-    Per policy, each repeat runs the points in order, every variant's point right after the others' (the
-    variants' order rotated from one point and one repeat to the next), so a drift of the host
-    moves the variants alike at every point. Prefix caching is off (the default): a repeat finds
-    nothing of the last one's."""
+    Per policy, each repeat runs the points in order, every variant's point right after the
+    others' (the variants' order rotated from one point and one repeat to the next), so a drift
+    of the host moves the variants alike at every point. Prefix caching is off (the default): a
+    repeat finds nothing of the last one's."""
     base = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max_seqs)]
     if model:
         base = ["--model", model] + base
