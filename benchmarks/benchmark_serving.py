@@ -314,13 +314,13 @@ VARIANTS = ("Naive-Evict", "vToken", "Native")
 def variant_scans(args, model, work, points, blocks, max_seqs):
     """-> {policy: one {variant: rows} per --repeats}. Every variant's server is started once
     and they run side by side, each idle while another is scanned; each first serves a warm-up
-    round per policy (as many requests at once as the scan's largest C, 16 tokens each,
-    discarded). The policies (--policy) are scanned one after another on the same servers, each
-    request naming its own (the kv_eviction_policy body field; Native's requests name none).
-    Per policy, each repeat runs the points in order, every variant's point right after the
-    others' (the variants' order rotated from one point and one repeat to the next), so a drift
-    of the host moves the variants alike at every point. Prefix caching is off (the default): a
-    repeat finds nothing of the last one's."""
+    round per policy (Native one: its requests name none), as many requests at once as the
+    scan's largest C, 16 tokens each, discarded. The policies (--policy) are scanned one after
+    another on the same servers, each request naming its own (the kv_eviction_policy body
+    field). Per policy, each repeat runs the points in order, every variant's point right after
+    the others' (the variants' order rotated from one point and one repeat to the next), so a
+    drift of the host moves the variants alike at every point. Prefix caching is off (the
+    default): a repeat finds nothing of the last one's."""
     base = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max_seqs)]
     if model:
         base = ["--model", model] + base
@@ -343,7 +343,7 @@ def variant_scans(args, model, work, points, blocks, max_seqs):
         warm = max(point.get("C", 4) for point in points)   # every batch size the scan reaches
         for name in names:
             srv = servers[name]
-            for policy in args.policy:
+            for policy in args.policy[:1] if name == "Native" else args.policy:
                 run_point(srv.url, srv.model, [(p, 16) for p, _ in work], warm,
                           concurrency=warm, seed=args.seed, body=body(name, policy))
         for policy in args.policy:
