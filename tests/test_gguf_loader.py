@@ -455,6 +455,74 @@ def test_auto_runs_the_blocks_below_the_crossover_and_float32_from_it(kquant_ggu
 
 
 @pytest.mark.parametrize("side", ["float32", "blocks"])
+def test_auto_builds_no_layer_of_the_side_a_cached_crossover_drops(kquant_gguf, monkeypatch,
+                                                                   side):
+    """A load whose CPU kernel plan comes from the cache with a crossover in which one side wins
+    every band never builds the other side's GEMMs (a GGUF MoE's float32 experts took 60% of
+    its load), and ends as the load that timed that crossover: the same layers, the same
+    tokens as --quantization gguf or none."""
+    from vllm import SamplingParams
+    from vllm.kernels import cpu_kernel_plan
+    from vllm.model_executor import quant_linear
+    from vllm.model_executor.cpu_decode import CROSSOVER_ROWS
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    crossover = 0 if side == "float32" else CROSSOVER_ROWS[-1] + 1
+    plan_model = cpu_kernel_plan.plan_model
+
+    def cached_plan(*args, **kwargs):
+        plan = plan_model(*args, **kwargs)
+        plan.source, plan.quant_below = "cache", crossover
+        return plan
+    monkeypatch.setattr(cpu_kernel_plan, "plan_model", cached_plan)
+    monkeypatch.setattr(LlamaForCausalLM, "quant_crossover",
+                        lambda self: pytest.fail("the cached crossover is timed again"))
+    built = {"float32": 0, "blocks": 0}
+    for cls, kind in ((linear.Linear, "float32"), (quant_linear.QuantLinear, "blocks")):
+        init = cls.__init__
+
+        def counted(self, *args, init=init, kind=kind, **kwargs):
+            built[kind] += 1
+            init(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "__init__", counted)
+    llm = _kquant_llm(kquant_gguf, "auto")
+    model = llm.llm_engine.model_executor.driver_worker.model
+    dropped = "blocks" if side == "float32" else "float32"
+    assert built[dropped] == 0 and built[side] > 0
+    assert model.quant_layers is None and model.quant_head is None and model.quant_below == 0
+    kind = linear.Linear if side == "float32" else quant_linear.QuantLinear
+    assert isinstance(model.layers[0].qkv, kind) and isinstance(model.lm_head, kind)
+    monkeypatch.undo()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [_prompt(30, seed=3)]
+    ref = _kquant_llm(kquant_gguf, "gguf" if side == "blocks" else "none")
+    assert llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        ref.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_auto_keeps_no_float32_layers_that_would_take_half_the_free_memory(kquant_gguf,
+                                                                            monkeypatch):
+    """A GGUF whose float32 GEMM weights would take more than half the free memory (a large
+    MoE's experts) runs on its blocks at every batch size: no float32 layer is built, nothing is
+    timed."""
+    from vllm.model_executor import cpu_decode, model_loader
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.quant_linear import QuantLinear
+
+    monkeypatch.setattr(model_loader, "_free_bytes", lambda: 1 << 16)
+    monkeypatch.setattr(cpu_decode.CpuDecodeModel, "quant_crossover",
+                        lambda self: pytest.fail("a crossover timed"))
+    init, built = linear.Linear.__init__, []
+    monkeypatch.setattr(linear.Linear, "__init__",
+                        lambda self, *a, **k: built.append(1) or init(self, *a, **k))
+    llm = _kquant_llm(kquant_gguf, "auto")
+    model = llm.llm_engine.model_executor.driver_worker.model
+    assert not built and model.quant_layers is None and model.quant_below == 0
+    assert isinstance(model.layers[0].qkv, QuantLinear) and isinstance(model.lm_head, QuantLinear)
+
+
+@pytest.mark.parametrize("side", ["float32", "blocks"])
 def test_auto_drops_the_side_that_wins_no_band(kquant_gguf, monkeypatch, side):
     from vllm.model_executor.cpu_decode import CROSSOVER_ROWS
     from vllm.model_executor.layers.linear import Linear

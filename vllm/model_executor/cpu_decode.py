@@ -4,7 +4,8 @@
     the decode attention and whether a decode step runs each layer as one C call;
   - the weight twin (--quantization auto, a bf16 checkpoint under --dtype auto): GGUF blocks or
     bf16 weights beside the float32 layers, steps of fewer rows than `quant_below` on the
-    blocks, the crossover timed once at load on this CPU; a side that wins no band is dropped;
+    blocks, the crossover timed once at load on this CPU; a side that wins no band is dropped
+    (on a later load, with the crossover read from the cached plan, not built at all);
   - the whole-stack C decode: a decode-only step in a band the plan gives it runs every layer
     in C (cpu_kernels.decode_layers), where every layer has a C view (`fused`): one call for
     the stack, or per run of layers of one kind on a hybrid model.
@@ -60,20 +61,35 @@ class CpuDecodeModel(nn.Module):
         if timed and not cpu_kernel_plan.too_busy(others):
             cpu_kernel_plan.remember(self.plan)
 
+    def cached_blocks_everywhere(self, blocks: dict) -> bool:
+        """--quantization auto, before any layer is built: whether the cached CPU kernel plan
+        holds a crossover (quant_crossover) in which the blocks win every band, so that the
+        float32 layers would be built only to be dropped."""
+        cached = self.plan is not None and self.plan.source == "cache" and \
+            self.plan.quant_below is not None and self.plan.quant_below > CROSSOVER_ROWS[-1]
+        if cached:
+            logger.info("auto weight format: %s at every batch size (from the cached CPU kernel "
+                        "plan)", "bf16 weights" if _all_bf16(blocks) else "GGUF blocks")
+        return cached
+
     def _add_quant_twin(self, blocks: dict) -> bool:
         """Layers running the GGUF blocks (or bf16 weights) beside the float32 ones, and the row
         count below which they are used (quant_crossover); a side that wins no timed band is
-        dropped. -> whether a choice was timed (not read from the cached plan)."""
+        dropped (not built, when the cached plan says so). -> whether a choice was timed (not
+        read from the cached plan)."""
+        cached = self.plan is not None and self.plan.source == "cache" and \
+            self.plan.quant_below is not None
+        if cached and self.plan.quant_below == 0:
+            logger.info("auto weight format: float32 at every batch size (from the cached CPU "
+                        "kernel plan)")
+            return False
         self.quant_layers = self.build_layers(blocks, self.layers)
         head_q = group(blocks, ["lm_head.weight"])
         self.quant_head = block_linear(head_q, plan=self.plan) if head_q else self.lm_head
         timed = cpu_kernel_plan.choose_int4(self.plan,
                                             _quant_linears(self.quant_layers, self.quant_head))
-        bf16 = all(w.qtype == quant_kernels.BF16 for w in blocks.values())
-        kept = "bf16 weights" if bf16 else "GGUF blocks"
+        kept = "bf16 weights" if _all_bf16(blocks) else "GGUF blocks"
         start = time.perf_counter()
-        cached = self.plan is not None and self.plan.source == "cache" and \
-            self.plan.quant_below is not None
         self.quant_below = self.plan.quant_below if cached else self.quant_crossover()
         if self.plan is not None:
             self.plan.quant_below = self.quant_below
@@ -181,6 +197,10 @@ class CpuDecodeModel(nn.Module):
         if self._decode_scratch.numel() < size:
             self._decode_scratch = torch.empty(size, dtype=torch.float32)
         return self._decode_scratch
+
+
+def _all_bf16(blocks: dict) -> bool:
+    return all(w.qtype == quant_kernels.BF16 for w in blocks.values())
 
 
 def _quant_linears(layers: nn.ModuleList, head: nn.Module) -> List[QuantLinear]:

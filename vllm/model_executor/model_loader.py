@@ -65,7 +65,8 @@ def _block_weights(hf_config, dtype: str, device: torch.device, tp: TPGroup,
                    load_format: str, weights: Dict[str, torch.Tensor]) -> Tuple[dict, bool]:
     """The GEMM weights to keep in GGUF blocks or in bf16 (HF name -> QuantWeight; empty:
     float32 everywhere, with one log line where they were asked for but cannot run here), and
-    whether the float32 layers are kept too (timed against them: the "auto" settings)."""
+    whether the float32 layers are kept too (timed against them: the "auto" settings; a GGUF's
+    not where their GEMM weights would take more than half the free memory)."""
     from vllm.model_executor import quant_linear
     bf16 = getattr(hf_config, BF16_WEIGHTS_ATTR, None)
     path = getattr(hf_config, GGUF_QUANT_ATTR, None) if load_format != "dummy" else None
@@ -84,7 +85,19 @@ def _block_weights(hf_config, dtype: str, device: torch.device, tp: TPGroup,
     kinds = sorted({w.type_name for w in quant.values()})
     logger.info("--quantization gguf: %d GEMM weights kept in %s blocks", len(quant),
                 "/".join(kinds) or "no")
-    return quant, getattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, False)
+    keep_float32 = getattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, False)
+    float32_bytes = sum(4 * w.shape[0] * w.shape[1] for w in quant.values())
+    free = _free_bytes()
+    if keep_float32 and float32_bytes > free // 2:
+        logger.info("--quantization auto: GGUF blocks at every batch size (float32 layers beside "
+                    "them would take %.1f GiB, more than half of the %.1f GiB free)",
+                    float32_bytes / 2**30, free / 2**30)
+        keep_float32 = False
+    return quant, keep_float32
+
+
+def _free_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def load_hf_config(model_dir: str):
