@@ -501,16 +501,15 @@ def test_auto_builds_no_layer_of_the_side_a_cached_crossover_drops(kquant_gguf, 
         ref.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_auto_keeps_no_float32_layers_that_would_take_half_the_free_memory(kquant_gguf,
-                                                                            monkeypatch):
-    """A GGUF whose float32 GEMM weights would take more than half the free memory (a large
+def test_auto_keeps_no_float32_layers_that_would_take_half_the_memory(kquant_gguf, monkeypatch):
+    """A GGUF whose float32 GEMM weights would take more than half the available memory (a large
     MoE's experts) runs on its blocks at every batch size: no float32 layer is built, nothing is
     timed."""
     from vllm.model_executor import cpu_decode, model_loader
     from vllm.model_executor.layers import linear
     from vllm.model_executor.quant_linear import QuantLinear
 
-    monkeypatch.setattr(model_loader, "_free_bytes", lambda: 1 << 16)
+    monkeypatch.setattr(model_loader, "_available_bytes", lambda: 1 << 16)
     monkeypatch.setattr(cpu_decode.CpuDecodeModel, "quant_crossover",
                         lambda self: pytest.fail("a crossover timed"))
     init, built = linear.Linear.__init__, []

@@ -92,7 +92,7 @@ class EngineArgs:
         "tensor parallelism: dequantized float32); none: dequantize everything to float32; auto "
         "(the default): gguf for a .gguf model, with the float32 weights kept too for the batch "
         "sizes where they are faster on this CPU (timed at load, cached with the CPU kernel "
-        "plan), when they fit in half the free memory",
+        "plan), when they fit in half the available memory",
         choices=QUANTIZATION_METHODS, short="-q")
     tensor_parallel_size: int = flag(
         1, "ranks that shard every layer (heads and MLP columns) and the KV pool", short="-tp")

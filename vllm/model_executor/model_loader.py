@@ -66,7 +66,7 @@ def _block_weights(hf_config, dtype: str, device: torch.device, tp: TPGroup,
     """The GEMM weights to keep in GGUF blocks or in bf16 (HF name -> QuantWeight; empty:
     float32 everywhere, with one log line where they were asked for but cannot run here), and
     whether the float32 layers are kept too (timed against them: the "auto" settings; a GGUF's
-    not where their GEMM weights would take more than half the free memory)."""
+    not where their GEMM weights would take more than half the available memory)."""
     from vllm.model_executor import quant_linear
     bf16 = getattr(hf_config, BF16_WEIGHTS_ATTR, None)
     path = getattr(hf_config, GGUF_QUANT_ATTR, None) if load_format != "dummy" else None
@@ -87,16 +87,25 @@ def _block_weights(hf_config, dtype: str, device: torch.device, tp: TPGroup,
                 "/".join(kinds) or "no")
     keep_float32 = getattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, False)
     float32_bytes = sum(4 * w.shape[0] * w.shape[1] for w in quant.values())
-    free = _free_bytes()
-    if keep_float32 and float32_bytes > free // 2:
+    available = _available_bytes()
+    if keep_float32 and float32_bytes > available // 2:
         logger.info("--quantization auto: GGUF blocks at every batch size (float32 layers beside "
-                    "them would take %.1f GiB, more than half of the %.1f GiB free)",
-                    float32_bytes / 2**30, free / 2**30)
+                    "them would take %.1f GiB, more than half of the %.1f GiB available)",
+                    float32_bytes / 2**30, available / 2**30)
         keep_float32 = False
     return quant, keep_float32
 
 
-def _free_bytes() -> int:
+def _available_bytes() -> int:
+    """The kernel's MemAvailable (free memory plus the page cache it can reclaim: the GGUF's
+    own pages are cached once it has been read), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
