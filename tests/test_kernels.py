@@ -482,6 +482,24 @@ def _timing_scene(monkeypatch, tmp_path, calls: int, others_cores: float):
 
 
 @cpu_built
+def test_a_model_in_blocks_counts_its_blocks_towards_the_size_it_is_timed_from(monkeypatch,
+                                                                               tmp_path):
+    """A model whose GEMMs are all GGUF blocks (no float32 GEMM left) is too small to time only
+    if its blocks are: a large one gets a timed plan, cached, so that its later choices (int4,
+    the decode layer) are timed once, not at every load."""
+    from vllm.kernels import cpu_kernel_plan as kp
+    _timing_scene(monkeypatch, tmp_path, calls=1, others_cores=0.0)
+    monkeypatch.setattr(kp, "STREAM_BYTES", 1 << 20)
+    small = kp.plan_model({}, 4, 2, 16, layers=2, weight_types=("Q4_0",), block_bytes=1 << 19)
+    assert small.source == "small" and not small.cache_path
+    large = kp.plan_model({}, 4, 2, 16, layers=2, weight_types=("Q4_0",), block_bytes=1 << 20)
+    assert large.source == "timed" and large.cache_path
+    kp.remember(large)
+    again = kp.plan_model({}, 4, 2, 16, layers=2, weight_types=("Q4_0",), block_bytes=1 << 20)
+    assert again.source == "cache" and again.cache_path == large.cache_path
+
+
+@cpu_built
 def test_timed_plan_is_cached_and_reused(monkeypatch, tmp_path):
     """Timing outcomes are not checked (they depend on the host), only the decision's shape,
     its JSON form, and that a second load reads the cache instead of timing."""

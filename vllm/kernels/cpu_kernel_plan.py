@@ -21,9 +21,9 @@ Timing needs our cores: while other processes hold them (every multi-threaded ca
 scheduler tick) it gives up after a few seconds and runs the C path everywhere, uncached (source
 "busy"). A plan timed while other processes used more than OTHERS_MAX_CORES of the host's CPUs
 (/proc/stat against our own CPU time) is used for this run but not cached (source "contended"),
-so a later, quiet load times again. A model whose weights fit in STREAM_BYTES (test models) is
-bound by per-op overhead, not by streaming weights: it runs the C path everywhere, untimed
-(source "small").
+so a later, quiet load times again. A model whose GEMM weights (float32 and blocks) fit in
+STREAM_BYTES (test models) is bound by per-op overhead, not by streaming weights: it runs the C
+path everywhere, untimed (source "small").
 GGUF Q4_0 / Q4_1 layers are timed against torch's own 4-bit GEMM (choose_int4): it runs the bands
 it wins by MARGIN, per op there. A GGUF or bf16 model that keeps float32 layers beside its blocks
 times the crossover between the two (cpu_decode.CpuDecodeModel.quant_crossover): both choices
@@ -363,17 +363,20 @@ def _cache_path(shapes: Dict[Tuple[int, int], int], attention: Tuple[int, ...],
 
 
 def plan_model(shapes: Dict[Tuple[int, int], int], heads: int, kv_heads: int, head_dim: int,
-               layers: int, weight_types: Tuple[str, ...] = ()) -> KernelPlan:
-    """The GEMM and attention choices for a model whose weights have these shapes ((K, N) ->
-    how many); decode_layer, int4 and quant_below are filled in later (choose_decode_layer,
-    choose_int4, the model's crossover) or read from the cache. weight_types: what the weights
-    are stored as beyond float32 (their GGUF types, and whether float32 layers are kept beside
-    them), part of the cache key since the later choices depend on it."""
+               layers: int, weight_types: Tuple[str, ...] = (),
+               block_bytes: int = 0) -> KernelPlan:
+    """The GEMM and attention choices for a model whose float32 GEMM weights have these shapes
+    ((K, N) -> how many); decode_layer, int4 and quant_below are filled in later
+    (choose_decode_layer, choose_int4, the model's crossover) or read from the cache.
+    weight_types: what the weights are stored as beyond float32 (their GGUF types, and whether
+    float32 layers are kept beside them), part of the cache key since the later choices depend
+    on it; block_bytes: the bytes of the GEMM weights kept that way (they count towards a model
+    too small to time)."""
     global _LAST_PLAN
     isa, forced = cpu_kernels.active_isa(), _forced()
     common = dict(isa=isa, cpu=cpu_kernels.cpu_name(), threads=torch.get_num_threads())
     bands = len(BANDS)
-    small = sum(4 * k * n * c for (k, n), c in shapes.items()) < STREAM_BYTES
+    small = sum(4 * k * n * c for (k, n), c in shapes.items()) + block_bytes < STREAM_BYTES
     if forced or small:
         path = forced or "c"
         last = "torch" if path == "mkl" else path        # MKL's packing needs a largest m

@@ -243,7 +243,8 @@ class LlamaForCausalLM(CpuDecodeModel):
             (("float32 kept",) if blocks and quant_keep_float32 else ())
         self.plan = cpu_kernel_plan.plan_model(
             shapes, self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.num_hidden_layers,
-            weight_types) if on_cpu and ops.cpu_kernels_enabled() else None
+            weight_types, sum(b.blocks.numel() for b in (blocks or {}).values())
+        ) if on_cpu and ops.cpu_kernels_enabled() else None
         if blocks and quant_keep_float32 and self.cached_blocks_everywhere(blocks):
             quant_keep_float32, quant = False, blocks
             shapes = self._gemm_shapes(w, head, cfg.num_hidden_layers, quant)
