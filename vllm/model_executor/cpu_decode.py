@@ -61,12 +61,18 @@ class CpuDecodeModel(nn.Module):
         if timed and not cpu_kernel_plan.too_busy(others):
             cpu_kernel_plan.remember(self.plan)
 
+    def cached_crossover(self) -> Optional[int]:
+        """The crossover (quant_crossover) the CPU kernel plan was read from the cache with, or
+        None (no plan, a plan timed by this load, or one cached without a crossover)."""
+        if self.plan is None or self.plan.source != "cache":
+            return None
+        return self.plan.quant_below
+
     def cached_blocks_everywhere(self, blocks: dict) -> bool:
-        """--quantization auto, before any layer is built: whether the cached CPU kernel plan
-        holds a crossover (quant_crossover) in which the blocks win every band, so that the
-        float32 layers would be built only to be dropped."""
-        cached = self.plan is not None and self.plan.source == "cache" and \
-            self.plan.quant_below is not None and self.plan.quant_below > CROSSOVER_ROWS[-1]
+        """--quantization auto, before any layer is built: whether the cached crossover has the
+        blocks win every band, so that the float32 layers would be built only to be dropped."""
+        crossover = self.cached_crossover()
+        cached = crossover is not None and crossover > CROSSOVER_ROWS[-1]
         if cached:
             logger.info("auto weight format: %s at every batch size (from the cached CPU kernel "
                         "plan)", "bf16 weights" if _all_bf16(blocks) else "GGUF blocks")
@@ -77,8 +83,7 @@ class CpuDecodeModel(nn.Module):
         count below which they are used (quant_crossover); a side that wins no timed band is
         dropped (not built, when the cached plan says so). -> whether a choice was timed (not
         read from the cached plan)."""
-        cached = self.plan is not None and self.plan.source == "cache" and \
-            self.plan.quant_below is not None
+        cached = self.cached_crossover() is not None
         if cached and self.plan.quant_below == 0:
             logger.info("auto weight format: float32 at every batch size (from the cached CPU "
                         "kernel plan)")
