@@ -83,8 +83,8 @@ class CpuDecodeModel(nn.Module):
         count below which they are used (quant_crossover); a side that wins no timed band is
         dropped (not built, when the cached plan says so). -> whether a choice was timed (not
         read from the cached plan)."""
-        cached = self.cached_crossover() is not None
-        if cached and self.plan.quant_below == 0:
+        crossover = self.cached_crossover()
+        if crossover == 0:
             logger.info("auto weight format: float32 at every batch size (from the cached CPU "
                         "kernel plan)")
             return False
@@ -95,7 +95,7 @@ class CpuDecodeModel(nn.Module):
                                             _quant_linears(self.quant_layers, self.quant_head))
         kept = "bf16 weights" if _all_bf16(blocks) else "GGUF blocks"
         start = time.perf_counter()
-        self.quant_below = self.plan.quant_below if cached else self.quant_crossover()
+        self.quant_below = self.quant_crossover() if crossover is None else crossover
         if self.plan is not None:
             self.plan.quant_below = self.quant_below
         choice = f"{kept} below {self.quant_below} rows, float32 from there"
@@ -107,8 +107,8 @@ class CpuDecodeModel(nn.Module):
             self.quant_layers, self.quant_head, self.quant_below = None, None, 0
             choice = f"{kept} at every batch size"
         logger.info("auto weight format: %s (%s)", choice, "from the cached CPU kernel plan"
-                    if cached else f"timed in {time.perf_counter() - start:.1f} s")
-        return timed or not cached
+                    if crossover is not None else f"timed in {time.perf_counter() - start:.1f} s")
+        return timed or crossover is None
 
     def quant_crossover(self, repeats: int = 5) -> int:
         """The smallest row count of CROSSOVER_ROWS from which a decode step (all layers, the

@@ -85,15 +85,16 @@ def _block_weights(hf_config, dtype: str, device: torch.device, tp: TPGroup,
     kinds = sorted({w.type_name for w in quant.values()})
     logger.info("--quantization gguf: %d GEMM weights kept in %s blocks", len(quant),
                 "/".join(kinds) or "no")
-    keep_float32 = getattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, False)
+    if not getattr(hf_config, GGUF_KEEP_FLOAT32_ATTR, False):
+        return quant, False
     float32_bytes = sum(4 * w.shape[0] * w.shape[1] for w in quant.values())
     available = _available_bytes()
-    if keep_float32 and float32_bytes > available // 2:
+    if float32_bytes > available // 2:
         logger.info("--quantization auto: GGUF blocks at every batch size (float32 layers beside "
                     "them would take %.1f GiB, more than half of the %.1f GiB available)",
                     float32_bytes / 2**30, available / 2**30)
-        keep_float32 = False
-    return quant, keep_float32
+        return quant, False
+    return quant, True
 
 
 def _available_bytes() -> int:
